@@ -1,0 +1,1 @@
+"""Data for the emulator: synthetic cosmology boxes, volume readers and DALI pipelines."""

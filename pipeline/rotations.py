@@ -1,0 +1,125 @@
+"""The 24 rotations of the cube, generated (not typed), and a numpy reference that applies them.
+
+A rotation R is a signed permutation matrix with determinant +1: ``R[a, perm[a]] = signs[a]``.
+Acting on a field sampled on a cube of voxels (coordinates centred on the cube), a scalar
+channel moves with the grid, ``s'(R x) = s(x)``, and a vector field also turns its components,
+``v'(R x) = R v(x)``. On the grid this is exact: transpose the spatial axes by ``perm``, reverse
+the axes where ``signs`` is -1, and, for each vector (three channels holding the components
+along the three spatial axes), output component ``a`` is ``signs[a]`` times input component
+``perm[a]``. Every backend applies rotations through ``RotationArgs`` so that they agree with
+``rotate_volume`` here, which the tests use as the reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# The six orderings of the spatial axes; DALI's transpose takes no per-sample permutation, so the
+# DALI graph branches over these by index.
+AXIS_PERMUTATIONS: tuple[tuple[int, int, int], ...] = tuple(itertools.permutations(range(3)))
+
+VectorGroups = Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """A proper rotation of the cube: output axis ``a`` is input axis ``perm[a]`` times ``signs[a]``."""
+
+    perm: tuple[int, int, int]
+    signs: tuple[int, int, int]
+
+    @property
+    def matrix(self) -> np.ndarray:
+        m = np.zeros((3, 3), dtype=np.int64)
+        for a in range(3):
+            m[a, self.perm[a]] = self.signs[a]
+        return m
+
+    @property
+    def perm_index(self) -> int:
+        return AXIS_PERMUTATIONS.index(self.perm)
+
+
+def _generate() -> tuple[Rotation, ...]:
+    rotations = []
+    for perm in AXIS_PERMUTATIONS:
+        for signs in itertools.product((1, -1), repeat=3):
+            rot = Rotation(perm, signs)
+            if round(np.linalg.det(rot.matrix)) == 1:
+                rotations.append(rot)
+    return tuple(rotations)
+
+
+# Index 0 is the identity (the first permutation with all signs +1).
+ROTATIONS: tuple[Rotation, ...] = _generate()
+
+
+def rotation_from_matrix(m: np.ndarray) -> Rotation:
+    """The table entry whose matrix is ``m`` (raises ValueError for anything else)."""
+    for rot in ROTATIONS:
+        if np.array_equal(rot.matrix, m):
+            return rot
+    raise ValueError(f"not a rotation of the cube: {m.tolist()}")
+
+
+def check_vector_groups(groups: VectorGroups, num_channels: int) -> None:
+    """Each vector is three distinct channel indices in range; channels belong to one vector at most."""
+    seen: set[int] = set()
+    for group in groups:
+        if len(group) != 3:
+            raise ValueError(f"a vector needs 3 channels (along x, y, z), got {list(group)}")
+        for c in group:
+            if not 0 <= c < num_channels:
+                raise ValueError(f"vector channel {c} is out of range for {num_channels} channels")
+            if c in seen:
+                raise ValueError(f"channel {c} appears in more than one vector")
+            seen.add(c)
+
+
+def channel_order(perm: Sequence[int], num_channels: int, groups: VectorGroups) -> tuple[int, ...]:
+    """Input channel feeding each output channel under the axis permutation ``perm``."""
+    order = list(range(num_channels))
+    for group in groups:
+        for a in range(3):
+            order[group[a]] = group[perm[a]]
+    return tuple(order)
+
+
+def channel_signs(rot: Rotation, num_channels: int, groups: VectorGroups) -> np.ndarray:
+    """Sign applied to each output channel: ``signs[a]`` on vector component ``a``, +1 elsewhere."""
+    sign = np.ones(num_channels, dtype=np.float32)
+    for group in groups:
+        for a in range(3):
+            sign[group[a]] = rot.signs[a]
+    return sign
+
+
+@dataclass(frozen=True)
+class RotationArgs:
+    """Per-sample arguments that a backend needs to apply one rotation to one (C, D, H, W) tensor."""
+
+    perm_index: int
+    flips: np.ndarray  # (3,) int32: reverse spatial axis a (after the transpose) where 1
+    sign: np.ndarray  # (C, 1, 1, 1) float32: multiplies each output channel
+
+
+def rotation_args(rot: Rotation, num_channels: int, groups: VectorGroups) -> RotationArgs:
+    return RotationArgs(
+        perm_index=rot.perm_index,
+        flips=np.array([s < 0 for s in rot.signs], dtype=np.int32),
+        sign=channel_signs(rot, num_channels, groups).reshape(num_channels, 1, 1, 1),
+    )
+
+
+def rotate_volume(x: np.ndarray, rot: Rotation, groups: VectorGroups) -> np.ndarray:
+    """The reference implementation: rotate a (C, D, H, W) array, turning vector channels with it."""
+    num_channels = x.shape[0]
+    y = np.transpose(x, (0, *(1 + p for p in rot.perm)))
+    y = np.flip(y, axis=tuple(1 + a for a in range(3) if rot.signs[a] < 0))
+    y = y[list(channel_order(rot.perm, num_channels, groups))]
+    sign = channel_signs(rot, num_channels, groups)
+    return np.ascontiguousarray(y * sign.reshape(num_channels, 1, 1, 1).astype(x.dtype))

@@ -1,0 +1,80 @@
+import itertools
+
+import numpy as np
+import pytest
+
+from pipeline.rotations import ROTATIONS, check_vector_groups, rotate_volume, rotation_from_matrix
+
+VEC = [[1, 2, 3]]
+
+
+def test_there_are_24_distinct_proper_rotations():
+    matrices = [r.matrix for r in ROTATIONS]
+    assert len(matrices) == 24
+    assert len({m.tobytes() for m in matrices}) == 24
+    for m in matrices:
+        assert round(np.linalg.det(m)) == 1
+        assert np.array_equal(m @ m.T, np.eye(3, dtype=int))  # orthogonal: a signed permutation
+    assert np.array_equal(ROTATIONS[0].matrix, np.eye(3, dtype=int))
+
+
+def test_closed_under_composition_and_inverse():
+    for a, b in itertools.product(ROTATIONS, repeat=2):
+        rotation_from_matrix(a.matrix @ b.matrix)  # raises if the product is not in the table
+    for a in ROTATIONS:
+        rotation_from_matrix(a.matrix.T)
+
+
+def _centred_grid(n: int) -> np.ndarray:
+    """(3, n, n, n): the coordinates of each voxel centre, measured from the centre of the cube."""
+    c = np.arange(n) - (n - 1) / 2
+    return np.stack(np.meshgrid(c, c, c, indexing="ij"))
+
+
+def test_voxel_moves_to_rotated_position():
+    n = 5
+    for rot in ROTATIONS:
+        x = np.zeros((1, n, n, n), dtype=np.float32)
+        x[0, 4, 1, 0] = 1.0
+        y = rotate_volume(x, rot, [])
+        pos = np.argwhere(y[0] == 1.0)[0] - (n - 1) / 2
+        assert np.array_equal(pos, rot.matrix @ (np.array([4, 1, 0]) - (n - 1) / 2))
+
+
+def test_constant_velocity_along_x_points_where_the_rotation_sends_x():
+    n = 4
+    for rot in ROTATIONS:
+        x = np.zeros((4, n, n, n), dtype=np.float32)
+        x[0] = np.random.default_rng(0).random((n, n, n))  # a scalar channel, rotated but not turned
+        x[1] = 1.0  # vx = 1, vy = vz = 0
+        y = rotate_volume(x, rot, VEC)
+        expected = rot.matrix @ np.array([1, 0, 0])
+        for a in range(3):
+            assert np.all(y[1 + a] == expected[a])
+
+
+def test_position_field_is_invariant():
+    # v(r) = r is carried onto itself by every rotation: checks that the grid and the components turn together.
+    n = 6
+    r = _centred_grid(n).astype(np.float32)
+    x = np.concatenate([np.zeros((1, n, n, n), np.float32), r])
+    for rot in ROTATIONS:
+        assert np.array_equal(rotate_volume(x, rot, VEC), x)
+
+
+def test_rotate_volume_is_a_group_action():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((7, 4, 4, 4)).astype(np.float32)
+    groups = [[1, 2, 3], [6, 4, 5]]  # two vectors, the second with its components out of order
+    for a, b in itertools.product(ROTATIONS, repeat=2):
+        composed = rotation_from_matrix(b.matrix @ a.matrix)
+        assert np.array_equal(rotate_volume(rotate_volume(x, a, groups), b, groups), rotate_volume(x, composed, groups))
+
+
+@pytest.mark.parametrize(
+    "groups, message",
+    [([[1, 2]], "needs 3 channels"), ([[1, 2, 9]], "out of range"), ([[1, 2, 3], [3, 4, 5]], "more than one vector")],
+)
+def test_bad_vector_groups_are_named(groups, message):
+    with pytest.raises(ValueError, match=message):
+        check_vector_groups(groups, 6)
