@@ -1,0 +1,201 @@
+"""Synthetic cosmology boxes in the reference layout, so that everything runs without the 40 GB dataset.
+
+The inputs are what an N-body code would give on a grid: a periodic Gaussian random field with a
+power-law-like spectrum, made log-normal for the dark-matter density, and velocities that follow from
+the linear density by linear theory (v_k = i k / k^2 delta_k, in units where f a H = 1). The targets
+are what a hydro code adds, as local but non-trivial functions of the inputs: gas density is the
+dark-matter density smoothed over a pressure scale, gas velocity the smoothed dark-matter velocity,
+and temperature follows the temperature-density relation T = T0 rho_gas^(gamma - 1), raised where
+the gas flow converges (shock heating).
+
+Normalization follows the reference: densities as log(rho) / 14; velocities divided by a fixed unit
+(``velocity_unit_sigmas`` times the expected rms of one component); temperature as
+log10(T / T0) / ``temperature_log_range``. All of it is set by the spectrum, not by the realization,
+so boxes of different sizes and seeds share one normalization.
+
+    python -m pipeline.synthetic --out_dir data/synthetic --train_box_size 128 --val_box_size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, LOG_DENSITY_SCALE, NBODY_CHANNELS, NBODY_DATASET
+
+
+def _param(default: float, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """How to generate a train and a validation box. Lengths are in voxels, wavenumbers in radians per voxel."""
+
+    train_box_size: int = _param(128, "side of the training box in voxels")
+    val_box_size: int = _param(64, "side of the validation box (the reference's is half the training one)")
+    seed: int = _param(0, "seed of the training box; the validation box uses seed + 1")
+    k_peak: float = _param(0.3, "where the spectrum turns from P ~ k (large scales) to P ~ k^-3 (small scales)")
+    k_cut: float = _param(1.2, "Gaussian cut-off of the spectrum, below the Nyquist wavenumber pi")
+    sigma_log_density: float = _param(1.6, "rms of the Gaussian field behind log(dark-matter density)")
+    gas_smoothing: float = _param(1.5, "Gaussian smoothing radius of the gas relative to the dark matter")
+    gamma: float = _param(1.6, "slope of the temperature-density relation T = T0 rho^(gamma - 1)")
+    shock_heating: float = _param(1.0, "heating in converging flows: T *= 1 + shock_heating relu(-div v / rms)^2")
+    velocity_unit_sigmas: float = _param(4.0, "velocities are divided by this many expected rms of one component")
+    temperature_log_range: float = _param(3.0, "normalized temperature is log10(T / T0) divided by this")
+
+
+def _spectrum_shape(k: np.ndarray, spec: SyntheticSpec) -> np.ndarray:
+    return k / (1.0 + (k / spec.k_peak) ** 2) ** 2 * np.exp(-((k / spec.k_cut) ** 2))
+
+
+def _expected_moments(spec: SyntheticSpec) -> tuple[float, float]:
+    """Expected variance of the unnormalized density field and of one velocity component.
+
+    On a grid, var(delta) = mean over modes of P(k) = 1/(2 pi^2) integral k^2 P(k) dk, independent of
+    the box size up to the missing large-scale modes; velocity per component: 1/(6 pi^2) integral P dk.
+    """
+    k = np.linspace(0.0, np.pi, 20001)
+    p = _spectrum_shape(k, spec)
+    var_delta = np.trapezoid(k**2 * p, k) / (2 * np.pi**2)
+    var_v = np.trapezoid(p, k) / (6 * np.pi**2)
+    return float(var_delta), float(var_v)
+
+
+def _wavevectors(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    kx = 2 * np.pi * np.fft.fftfreq(n)[:, None, None]
+    ky = 2 * np.pi * np.fft.fftfreq(n)[None, :, None]
+    kz = 2 * np.pi * np.fft.rfftfreq(n)[None, None, :]
+    return kx, ky, kz
+
+
+def generate_box(spec: SyntheticSpec, box_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """One box: (Nbody (4, L, L, L), Hydro (5, L, L, L)), float32, normalized. Deterministic in (spec, L, seed)."""
+    n = box_size
+    shape = (n, n, n)
+    rng = np.random.default_rng(seed)
+    kx, ky, kz = _wavevectors(n)
+    k2 = kx**2 + ky**2 + kz**2
+    inv_k2 = np.divide(1.0, k2, out=np.zeros_like(k2), where=k2 > 0)  # the mean mode carries no velocity
+    var_delta, var_v = _expected_moments(spec)
+    amplitude = spec.sigma_log_density / np.sqrt(var_delta)
+
+    # Gaussian field with the target spectrum: filter white noise in Fourier space.
+    delta_k = np.fft.rfftn(rng.standard_normal(shape)) * (amplitude * np.sqrt(_spectrum_shape(np.sqrt(k2), spec)))
+    delta = np.fft.irfftn(delta_k, s=shape, axes=(0, 1, 2))
+
+    # Linear theory: v_k = i k / k^2 delta_k.
+    v_unit = spec.velocity_unit_sigmas * amplitude * np.sqrt(var_v)
+    v_k = [1j * kc * inv_k2 * delta_k for kc in (kx, ky, kz)]
+    v_dm = [np.fft.irfftn(vk, s=shape, axes=(0, 1, 2)) for vk in v_k]
+
+    # Log-normal dark matter with mean density 1.
+    rho_dm = np.exp(delta - spec.sigma_log_density**2 / 2)
+
+    # Gas: smoothed over the pressure scale.
+    smooth = np.exp(-0.5 * k2 * spec.gas_smoothing**2)
+    rho_gas = np.fft.irfftn(np.fft.rfftn(rho_dm) * smooth, s=shape, axes=(0, 1, 2))
+    rho_gas = np.maximum(rho_gas, 1e-6)  # a Gaussian filter keeps density positive, up to round-off
+    v_gas_k = [vk * smooth for vk in v_k]
+    v_gas = [np.fft.irfftn(vk, s=shape, axes=(0, 1, 2)) for vk in v_gas_k]
+    divergence = np.fft.irfftn(sum(1j * kc * vk for kc, vk in zip((kx, ky, kz), v_gas_k)), s=shape, axes=(0, 1, 2))
+    compression = np.maximum(-divergence / divergence.std(), 0.0)
+    log10_t_over_t0 = (spec.gamma - 1) * np.log10(rho_gas) + np.log10(1 + spec.shock_heating * compression**2)
+
+    nbody = np.stack([np.log(rho_dm) / LOG_DENSITY_SCALE, *(v / v_unit for v in v_dm)])
+    hydro = np.stack(
+        [
+            np.log(rho_gas) / LOG_DENSITY_SCALE,
+            *(v / v_unit for v in v_gas),
+            log10_t_over_t0 / spec.temperature_log_range,
+        ]
+    )
+    return nbody.astype(np.float32), hydro.astype(np.float32)
+
+
+def _attributes(spec: SyntheticSpec, box_size: int, seed: int) -> dict[str, str | int]:
+    return {
+        "generator": "pipeline.synthetic",
+        "spec": json.dumps(dataclasses.asdict(spec), sort_keys=True),
+        "box_size": box_size,
+        "seed": seed,
+        "normalization": json.dumps(
+            {
+                "density": f"log(rho) / {LOG_DENSITY_SCALE:g}",
+                "velocity": f"v / ({spec.velocity_unit_sigmas:g} x expected rms of one component)",
+                "temperature": f"log10(T / T0) / {spec.temperature_log_range:g}",
+            }
+        ),
+    }
+
+
+def write_box(path: Path, spec: SyntheticSpec, box_size: int, seed: int) -> None:
+    """Generate one box and write it to ``path`` atomically (a reader never sees a partial file)."""
+    nbody, hydro = generate_box(spec, box_size, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        with h5py.File(tmp, "w") as f:
+            for key, value in _attributes(spec, box_size, seed).items():
+                f.attrs[key] = value
+            for name, data, channels in ((NBODY_DATASET, nbody, NBODY_CHANNELS), (HYDRO_DATASET, hydro, HYDRO_CHANNELS)):
+                f.create_dataset(name, data=data).attrs["channels"] = json.dumps(channels)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def boxes(spec: SyntheticSpec) -> dict[str, tuple[int, int]]:
+    """(box size, seed) of the train and validation boxes."""
+    return {"train": (spec.train_box_size, spec.seed), "val": (spec.val_box_size, spec.seed + 1)}
+
+
+def ensure_box(path: Path, spec: SyntheticSpec, which: str) -> bool:
+    """Write the ``which`` ('train' or 'val') box to ``path`` unless it is there already; True if written.
+
+    An existing file must have been generated from the same spec: anything else is an error, since
+    silently training on other data than the config says would be worse.
+    """
+    box_size, seed = boxes(spec)[which]
+    if path.exists():
+        with h5py.File(path, "r") as f:
+            found = {key: f.attrs.get(key) for key in ("generator", "spec", "box_size", "seed")}
+        wanted = _attributes(spec, box_size, seed)
+        if any(found[key] != wanted[key] for key in found):
+            raise ValueError(
+                f"{path} exists but was not generated from this config's synthetic spec; "
+                "delete it or point the config elsewhere"
+            )
+        return False
+    write_box(path, spec, box_size, seed)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out_dir", type=Path, default=Path("data/synthetic"), help="writes train.h5 and val.h5 here")
+    for f in dataclasses.fields(SyntheticSpec):
+        parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=f.metadata["help"])
+    args = parser.parse_args(argv)
+    spec = SyntheticSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SyntheticSpec)})
+    for which, (box_size, seed) in boxes(spec).items():
+        start = time.perf_counter()
+        path = args.out_dir / f"{which}.h5"
+        write_box(path, spec, box_size, seed)
+        print(f"wrote {path}: {box_size}^3, seed {seed}, {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
