@@ -1,0 +1,67 @@
+"""Which crop and which rotation each sample gets: pure functions of (seed, rank, epoch, index).
+
+Every sample's draw comes from its own generator seeded by its coordinates, so a sample does not
+depend on the samples before it: epochs replay exactly after a resume, and the DALI pipeline and
+the numpy reference draw the same crops without sharing state. Training draws use the seed
+``base_seed + global_rank`` so that ranks see different crops; validation draws ignore the rank
+(each rank validates its share of one fixed set of crops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.rotations import ROTATIONS, RotationArgs, VectorGroups, rotate_volume, rotation_args
+from pipeline.volumes import VolumePair
+
+# Separates the validation stream from training epochs (SeedSequence entropy must be non-negative).
+_VALIDATION_STREAM = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class SampleDraw:
+    corner: tuple[int, int, int]
+    rotation: int
+    """Index into ``ROTATIONS``; 0 is the identity."""
+
+
+def _draw(entropy: tuple[int, ...], box_size: int, crop_size: int, rotate: bool) -> SampleDraw:
+    rng = np.random.default_rng(entropy)
+    corner = tuple(int(c) for c in rng.integers(0, box_size - crop_size + 1, size=3))
+    rotation = int(rng.integers(len(ROTATIONS))) if rotate else 0
+    return SampleDraw(corner, rotation)  # type: ignore[arg-type]
+
+
+def train_draw(seed: int, epoch: int, index: int, box_size: int, crop_size: int, rotate: bool) -> SampleDraw:
+    """Sample ``index`` of ``epoch`` for a rank whose seed is ``seed`` (base seed + global rank)."""
+    return _draw((seed, epoch, index), box_size, crop_size, rotate)
+
+
+def val_draw(seed: int, index: int, box_size: int, crop_size: int) -> SampleDraw:
+    """Validation sample ``index`` (global over ranks), never rotated."""
+    return _draw((seed, _VALIDATION_STREAM, index), box_size, crop_size, rotate=False)
+
+
+@dataclass(frozen=True)
+class Augmenter:
+    """Turns a draw into the arguments of the rotation, for inputs and targets alike."""
+
+    in_channels: int
+    out_channels: int
+    in_vectors: VectorGroups
+    out_vectors: VectorGroups
+
+    def args(self, draw: SampleDraw) -> tuple[RotationArgs, RotationArgs]:
+        rot = ROTATIONS[draw.rotation]
+        return (
+            rotation_args(rot, self.in_channels, self.in_vectors),
+            rotation_args(rot, self.out_channels, self.out_vectors),
+        )
+
+    def reference(self, volumes: VolumePair, draw: SampleDraw, crop_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The numpy reference of one augmented sample, which every backend must reproduce exactly."""
+        inp, tar = volumes.crop(draw.corner, crop_size)
+        rot = ROTATIONS[draw.rotation]
+        return rotate_volume(inp, rot, self.in_vectors), rotate_volume(tar, rot, self.out_vectors)

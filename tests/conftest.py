@@ -1,0 +1,44 @@
+"""Shared fixtures: small synthetic boxes on disk, and a runner for ds_train.py as users run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.synthetic import SyntheticSpec, boxes, write_box
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Small enough for seconds per run on 2 cores; 16^3 crops need a U-Net of depth 4 at most.
+TINY_SPEC = SyntheticSpec(train_box_size=32, val_box_size=32, seed=3)
+TINY_ARGS = [
+    "--config", "debug", "--data_size", "16", "--unet_depth", "4", "--unet_width", "4",
+    "--Nsamples", "128", "--Nsamples_val", "32", "--global_batch_size", "8", "--base_batch_size", "8",
+    "--log_every_steps", "4", "--dali_threads", "1",
+    "--synthetic", json.dumps({"train_box_size": 32, "val_box_size": 32, "seed": 3}),
+    "--lr_schedule.start_lr", "1e-2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> dict[str, Path]:
+    """Train and val files of TINY_SPEC (32^3 boxes)."""
+    root = tmp_path_factory.mktemp("data")
+    paths = {}
+    for which, (size, seed) in boxes(TINY_SPEC).items():
+        paths[which] = root / f"{which}.h5"
+        write_box(paths[which], TINY_SPEC, size, seed)
+    return paths
+
+
+def run_train(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ds_train.py in a fresh process from the repository root, as a single process (no launcher)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run(
+        [sys.executable, "ds_train.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
