@@ -1,0 +1,59 @@
+"""The reference 3D U-Net (NERSC ml-pm-training-2022), with width and depth knobs for small runs.
+
+Each level halves the volume with Conv3d(k=4, s=2, p=1) + LeakyReLU; the way back doubles it with
+ConvTranspose3d(k=4, s=2, p=1) + ReLU and concatenates the skip of the same level; a last
+ConvTranspose3d maps to the output channels and tanh bounds them to (-1, 1) like the targets.
+Channels per level are ``min(width * 2^i, 8 * width)``: with the defaults (width 64, depth 6) that is
+64-128-256-512-512-512, the reference's ``full_scale`` network of 117.0 M parameters; depth 5 is its
+``full_scale: False``. Crops must be a multiple of 2^depth voxels on a side.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def level_channels(width: int, depth: int) -> list[int]:
+    return [min(width * 2**i, 8 * width) for i in range(depth)]
+
+
+class UNet(nn.Module):
+    def __init__(self, in_channels: int = 4, out_channels: int = 5, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        if depth < 2:
+            raise ValueError(f"U-Net depth must be at least 2, got {depth}")
+        channels = level_channels(width, depth)
+        self.depth = depth
+        self.down = nn.ModuleList()
+        previous = in_channels
+        for c in channels:
+            self.down.append(nn.Sequential(nn.Conv3d(previous, c, 4, stride=2, padding=1), nn.LeakyReLU(inplace=True)))
+            previous = c
+        # up[j] undoes down level (depth - 1 - j); its input is the level below, concatenated with that
+        # level's skip, except at the bottom where there is nothing to concatenate yet.
+        self.up = nn.ModuleList()
+        for level in reversed(range(1, depth)):
+            c_in = channels[level] if level == depth - 1 else 2 * channels[level]
+            self.up.append(
+                nn.Sequential(nn.ConvTranspose3d(c_in, channels[level - 1], 4, stride=2, padding=1), nn.ReLU(inplace=True))
+            )
+        self.last = nn.ConvTranspose3d(2 * channels[0], out_channels, 4, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for block in self.down:
+            x = block(x)
+            skips.append(x)
+        skips.pop()  # the bottom level feeds the first up-convolution directly
+        for block in self.up:
+            x = torch.cat([block(x), skips.pop()], dim=1)
+        return torch.tanh(self.last(x))
+
+    def init_weights(self, conv_scale: float = 0.02, conv_bias: float | None = 0.0) -> None:
+        """The reference's init: conv weights ~ N(0, conv_scale), biases set to conv_bias (left alone if None)."""
+        for m in self.modules():
+            if isinstance(m, (nn.Conv3d, nn.ConvTranspose3d)):
+                nn.init.normal_(m.weight, 0.0, conv_scale)
+                if conv_bias is not None:
+                    nn.init.constant_(m.bias, conv_bias)

@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from model import UNet, unet_loss
+from pipeline.layout import LOG_DENSITY_SCALE
+
+
+def test_reference_size_and_shape():
+    with torch.device("meta"):  # 117 M parameters and a 64^3 forward, without the memory or the FLOPs
+        net = UNet()
+        out = net(torch.empty(2, 4, 64, 64, 64))
+    assert sum(p.numel() for p in net.parameters()) == 116_977_029  # "117.0 M"
+    assert out.shape == (2, 5, 64, 64, 64)
+    assert [m[0].out_channels for m in net.down] == [64, 128, 256, 512, 512, 512]
+    assert [m[0].in_channels for m in net.up] == [512, 1024, 1024, 512, 256]
+
+
+def test_reference_half_scale_has_five_levels():
+    with torch.device("meta"):
+        net = UNet(depth=5)
+    assert [m[0].out_channels for m in net.down] == [64, 128, 256, 512, 512]
+    assert net.up[0][0].in_channels == 512
+
+
+def test_small_network_runs_and_is_bounded():
+    torch.manual_seed(0)
+    net = UNet(width=4, depth=3)
+    net.init_weights(conv_scale=0.05, conv_bias=0.0)
+    out = net(torch.randn(2, 4, 16, 16, 16))
+    assert out.shape == (2, 5, 16, 16, 16)
+    assert out.abs().max() < 1 and out.std() > 0.05
+
+
+def test_reference_init():
+    torch.manual_seed(0)
+    net = UNet(width=8, depth=3)
+    net.init_weights(conv_scale=0.02, conv_bias=0.0)
+    weights = torch.cat([m.weight.flatten() for m in net.modules() if isinstance(m, (torch.nn.Conv3d, torch.nn.ConvTranspose3d))])
+    assert weights.std().item() == pytest.approx(0.02, rel=0.05)
+    assert all(torch.all(m.bias == 0) for m in net.modules() if hasattr(m, "bias") and m.bias is not None)
+
+
+def test_depth_must_be_at_least_two():
+    with pytest.raises(ValueError, match="at least 2"):
+        UNet(depth=1)
+
+
+def test_loss_is_l1_plus_density_term():
+    torch.manual_seed(0)
+    pred, target = torch.rand(2, 5, 4, 4, 4) - 0.5, torch.rand(2, 5, 4, 4, 4) - 0.5
+    l1 = (pred - target).abs().mean()
+    assert unet_loss(pred, target).item() == pytest.approx(l1.item())
+    rho = (torch.exp(LOG_DENSITY_SCALE * pred[:, 0]) - torch.exp(LOG_DENSITY_SCALE * target[:, 0])).abs().mean()
+    assert unet_loss(pred, target, lambda_rho=0.3).item() == pytest.approx((l1 + 0.3 * rho).item(), rel=1e-6)
+
+
+def test_loss_density_term_does_not_overflow_in_half_precision():
+    pred = torch.full((1, 5, 2, 2, 2), 0.9, dtype=torch.float16)  # exp(14 * 0.9) > float16's max
+    target = torch.full((1, 5, 2, 2, 2), 0.8, dtype=torch.float16)
+    loss = unet_loss(pred, target, lambda_rho=1.0)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
