@@ -1,0 +1,127 @@
+"""Train the cosmology emulator U-Net through a DeepSpeed engine, fed by DALI.
+
+    python ds_train.py --config debug                      # built-in config, synthetic data
+    python ds_train.py --config base --num_epochs 3 --lr_schedule.start_lr 1e-3
+    python ds_train.py --run_dir runs/debug-20261202-120000 --resume
+    deepspeed --num_gpus 4 ds_train.py --config bs256_opt
+
+Every config key is an option (--key value, dotted for nested keys); see --help.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as torch_dist
+
+from pipeline.volumes import DataError
+from trainer.config import Config, ConfigError, build_config, leaf_keys, load_named, to_dict
+from trainer.dist import DistEnv, DistError
+from trainer.trainer import CHECKPOINT_DIR, Trainer, init_distributed, prepare_data, write_resolved_config
+
+log = logging.getLogger("ds_train")
+USER_ERRORS = (ConfigError, DataError, DistError)
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
+    """Fixed options, plus every config key as an override (returned as dotted key -> raw value)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--config", default="debug", help="name of the config in --yaml_config (default: debug)")
+    parser.add_argument("--yaml_config", type=Path, default=Path("ds_configs/UNet.yaml"), help="file of named configs")
+    parser.add_argument("--run_dir", type=Path, help="run directory (default: runs/<config>-<date>-<time>)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --run_dir from its latest checkpoint")
+    parser.add_argument("--stop_after_epoch", type=int, help="stop after this epoch; the schedule still spans num_epochs")
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    overrides = parser.add_argument_group("config keys (override the YAML)")
+    keys = leaf_keys(Config)
+    for key, help_text in keys.items():
+        overrides.add_argument(f"--{key}", dest=f"set:{key}", metavar="VALUE", default=argparse.SUPPRESS, help=help_text)
+    args, unknown = parser.parse_known_args(argv)
+    for arg in unknown:
+        if arg.startswith("--"):
+            flag = arg[2:].split("=", 1)[0]
+            close = difflib.get_close_matches(flag, [*keys, "config", "yaml_config", "run_dir", "resume"], n=1)
+            parser.error(f"unknown option --{flag}" + (f" (did you mean --{close[0]}?)" if close else ""))
+        parser.error(f"unexpected argument {arg!r}")
+    given = {dest[4:]: value for dest, value in vars(args).items() if dest.startswith("set:")}
+    return args, given
+
+
+def resolve_config(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[str, Config]:
+    """A new run's config from the YAML; a resumed run's from its run directory (overrides on top)."""
+    if not args.resume:
+        return args.config, build_config(load_named(args.yaml_config, args.config), overrides)
+    if args.run_dir is None:
+        raise ConfigError("--resume needs --run_dir")
+    saved_path = args.run_dir / "config.json"
+    if not saved_path.is_file():
+        raise ConfigError(f"--resume: {saved_path} not found; is {args.run_dir} a run directory?")
+    saved = json.loads(saved_path.read_text())
+    cfg = build_config(saved["config"], overrides)
+    changed = {k: v for k, v in to_dict(cfg).items() if saved["config"].get(k) != v}
+    if changed:
+        log.warning("resuming with changed settings: %s", ", ".join(f"{k}={v!r}" for k, v in changed.items()))
+    return saved["name"], cfg
+
+
+def resolve_run_dir(args: argparse.Namespace, name: str, dist: DistEnv) -> Path:
+    """The run directory, the same on every rank; a new run never reuses one that holds checkpoints."""
+    if args.run_dir is not None:
+        run_dir = args.run_dir
+    else:
+        stamp: list[Any] = [time.strftime("%Y%m%d-%H%M%S")]
+        torch_dist.broadcast_object_list(stamp, src=0)  # ranks start at slightly different times
+        run_dir = Path("runs") / f"{name}-{stamp[0]}"
+    ckpt_dir = run_dir / CHECKPOINT_DIR
+    if not args.resume and ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
+        raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another --run_dir")
+    if dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    torch_dist.barrier()
+    return run_dir
+
+
+def configure_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    configure_logging(int(os.environ.get("RANK", "0")))
+    try:
+        dist = DistEnv.from_environ()
+        name, cfg = resolve_config(args, overrides)
+        device_type = init_distributed(dist)
+        run_dir = resolve_run_dir(args, name, dist)
+        if dist.is_main:
+            handler = logging.FileHandler(run_dir / "train.log")
+            handler.setFormatter(logging.getLogger().handlers[0].formatter)
+            logging.getLogger().addHandler(handler)
+            log.info("run directory %s", run_dir)
+        prepare_data(cfg, dist)
+        trainer = Trainer(cfg, name, dist, device_type, run_dir, args.resume, args.stop_after_epoch)
+        if dist.is_main:
+            write_resolved_config(run_dir, name, cfg, trainer.ds_config, dist)
+        trainer.train()
+    except USER_ERRORS as err:
+        log.error("%s", err)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+import json
+
+import pytest
+
+from ds_train import parse_args
+from trainer.config import Config, ConfigError, build_config, leaf_keys, load_named
+from tests.conftest import REPO
+
+YAML = REPO / "ds_configs" / "UNet.yaml"
+
+
+def _load(name, **overrides):
+    return build_config(load_named(YAML, name), {k: str(v) for k, v in overrides.items()})
+
+
+@pytest.mark.parametrize(
+    "name, nsamples, nval, epochs, batch",
+    [
+        ("base", 65536, 8192, 10, 64),
+        ("short", 4096, 512, 4, 64),
+        ("bs64_opt", 65536, 8192, 10, 64),
+        ("bs256_opt", 65536, 8192, 20, 256),
+        ("bs512_opt", 65536, 8192, 40, 512),
+        ("bs2048_opt", 65536, 8192, 160, 2048),
+    ],
+)
+def test_reference_configs_keep_the_recipe(name, nsamples, nval, epochs, batch):
+    cfg = _load(name)
+    assert (cfg.Nsamples, cfg.Nsamples_val, cfg.num_epochs, cfg.global_batch_size) == (nsamples, nval, epochs, batch)
+    assert cfg.base_batch_size == 64 and cfg.data_size == 64
+    assert (cfg.lr_schedule.scaling, cfg.lr_schedule.start_lr, cfg.lr_schedule.end_lr) == ("sqrt", 2e-4, 0.0)
+    assert cfg.lr_schedule.warmup_steps == 128
+    assert (cfg.unet_width, cfg.unet_depth, cfg.lambda_rho) == (64, 6, 0.0)
+    assert cfg.weight_init.conv_scale == 0.02
+    assert cfg.synthetic is None
+
+
+def test_debug_config_generates_its_data():
+    cfg = _load("debug")
+    assert cfg.synthetic is not None and cfg.synthetic.train_box_size == 128
+    assert cfg.data_size % 2**cfg.unet_depth == 0
+
+
+def test_overrides_reach_nested_keys_and_convert_types():
+    cfg = _load("base", num_epochs=3, **{"lr_schedule.start_lr": "1e-3", "synthetic.seed": 4, "micro_batch_size": "null"})
+    assert cfg.num_epochs == 3 and cfg.lr_schedule.start_lr == 1e-3 and cfg.lr_schedule.scaling == "sqrt"
+    assert cfg.synthetic.seed == 4 and cfg.synthetic.train_box_size == 128  # created from the defaults
+    assert cfg.micro_batch_size is None
+
+
+def test_command_line_beats_file_beats_defaults():
+    args, overrides = parse_args(["--config", "short", "--num_epochs", "7", "--lr_schedule.warmup_steps", "5"])
+    cfg = build_config(load_named(YAML, args.config), overrides)
+    assert cfg.num_epochs == 7  # command line
+    assert cfg.Nsamples == 4096  # file
+    assert cfg.log_every_steps == Config().log_every_steps  # default
+
+
+def test_every_key_is_an_option():
+    keys = leaf_keys(Config)
+    assert {"num_epochs", "lr_schedule.start_lr", "weight_init.conv_scale", "synthetic.seed"} <= set(keys)
+    assert all(keys.values()), "every key is documented"
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"num_epoch": 3}, "unknown key 'num_epoch' \\(did you mean 'num_epochs'\\?\\)"),
+        ({"lr_schedule": {"start_l": 1}}, "unknown key 'lr_schedule.start_l' \\(did you mean 'lr_schedule.start_lr'\\?\\)"),
+        ({"full_scale": True}, "unknown key 'full_scale': unet_depth"),
+        ({"num_epochs": "ten"}, "num_epochs must be int, got 'ten'"),
+        ({"num_epochs": 2.5}, "num_epochs must be int"),
+        ({"rotate": "yes"}, "rotate must be bool"),
+        ({"lr_schedule": {"start_lr": "fast"}}, "lr_schedule.start_lr must be float"),
+        ({"lr_schedule": {"scaling": "cubic"}}, "lr_schedule.scaling must be one of"),
+        ({"storage": "disk"}, "storage must be one of"),
+        ({"input_vectors": [[1, 2]]}, "input_vectors: a vector needs 3 channels"),
+        ({"target_vectors": [[1, 2, 7]]}, "target_vectors: vector channel 7 is out of range"),
+        ({"data_size": 48}, "multiple of 2\\^unet_depth"),
+        ({"Nsamples": 32}, "smaller than global_batch_size"),
+        ({"global_batch_size": 0}, "global_batch_size must be positive"),
+    ],
+)
+def test_bad_values_are_named(data, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(data, {})
+
+
+def test_bad_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base:\n  num_epochs: [1\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_named(bad, "base")
+    with pytest.raises(ConfigError, match="no config named 'nope'.*available: base"):
+        load_named(YAML, "nope")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_named(tmp_path / "missing.yaml", "base")
+
+
+def test_unknown_option_suggests_the_closest(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--num_epoch", "3"])
+    assert exit_info.value.code == 2
+    assert "unknown option --num_epoch (did you mean --num_epochs?)" in capsys.readouterr().err
+
+
+def test_synthetic_block_from_the_command_line():
+    _, overrides = parse_args(["--synthetic", json.dumps({"train_box_size": 32, "val_box_size": 32, "seed": 3})])
+    cfg = build_config(load_named(YAML, "base"), overrides)
+    assert (cfg.synthetic.train_box_size, cfg.synthetic.seed) == (32, 3)

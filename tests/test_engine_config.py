@@ -1,0 +1,85 @@
+import json
+import logging
+
+import pytest
+
+from trainer.config import ConfigError
+from trainer.engine import BatchPlan, load_ds_template, plan_batches, resolve_ds_config
+from tests.conftest import REPO
+
+
+@pytest.mark.parametrize(
+    "global_batch, micro, world, expected",
+    [(64, None, 1, (64, 1)), (64, None, 4, (16, 1)), (64, 8, 4, (8, 2)), (2048, 16, 32, (16, 4))],
+)
+def test_batch_plan(global_batch, micro, world, expected):
+    plan = plan_batches(global_batch, micro, world)
+    assert (plan.micro_batch, plan.accumulation) == expected
+    assert plan.global_batch == global_batch
+
+
+@pytest.mark.parametrize(
+    "global_batch, micro, world, message",
+    [(64, None, 3, "not divisible by the world size 3"), (64, 24, 2, "32 per rank, not a multiple of micro_batch_size 24")],
+)
+def test_inconsistent_batches_are_errors(global_batch, micro, world, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_batches(global_batch, micro, world)
+
+
+@pytest.mark.parametrize("name", ["ds_fp16.json", "ds_bf16.json", "ds_fp32.json"])
+def test_shipped_configs_keep_the_recipe(name):
+    cfg = resolve_ds_config(load_ds_template(REPO / "ds_configs" / name), BatchPlan(16, 2, 2), 3e-4, "cuda")
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (64, 16, 2)
+    assert cfg["optimizer"]["type"] == "Adam" and cfg["optimizer"]["params"]["adam_w_mode"] is False
+    assert cfg["optimizer"]["params"]["lr"] == 3e-4
+    assert "torch_adam" not in cfg["optimizer"]["params"]  # FusedAdam on GPUs
+    assert cfg["gradient_clipping"] == 0.0
+
+
+def test_fp16_on_cpu_becomes_fp32_with_a_warning(caplog):
+    template = load_ds_template(REPO / "ds_configs" / "ds_fp16.json")
+    with caplog.at_level(logging.WARNING):
+        cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cpu")
+    assert cfg["fp16"]["enabled"] is False and not cfg.get("bf16", {}).get("enabled")
+    assert "training in fp32 on cpu" in caplog.text
+    assert cfg["optimizer"]["params"]["torch_adam"] is True
+    assert template["fp16"]["enabled"] is True  # the template is not modified
+    gpu = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cuda")
+    assert gpu["fp16"]["enabled"] is True
+
+
+def test_recipe_defaults_fill_a_minimal_json():
+    cfg = resolve_ds_config({}, BatchPlan(4, 1, 1), 1e-3, "cpu")
+    assert cfg["optimizer"]["params"]["adam_w_mode"] is False  # plain Adam, as the reference
+    assert cfg["gradient_clipping"] == 0.0  # DeepSpeed would clip at 1.0
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ({"train_batch_size": 32}, "train_batch_size=32, but the experiment's batch settings give 64"),
+        ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps=1, but .* give 2"),
+        ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' section"),
+        ({"optimizer": {"type": "Adam", "params": {"lr": 0.1}}}, "sets optimizer.params.lr"),
+    ],
+)
+def test_conflicting_json_is_an_error(template, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_ds_config(template, BatchPlan(16, 2, 2), 1e-3, "cpu")
+
+
+def test_matching_batch_keys_are_accepted():
+    cfg = resolve_ds_config({"train_batch_size": 64}, BatchPlan(16, 2, 2), 1e-3, "cpu")
+    assert cfg["train_batch_size"] == 64
+
+
+def test_unreadable_json(tmp_path):
+    (tmp_path / "bad.json").write_text("{ not json")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        load_ds_template(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="cannot read DeepSpeed config"):
+        load_ds_template(tmp_path / "missing.json")
+    (tmp_path / "list.json").write_text(json.dumps([1]))
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        load_ds_template(tmp_path / "list.json")

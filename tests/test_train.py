@@ -1,0 +1,110 @@
+"""ds_train.py end to end, as a user runs it: real DeepSpeed engine, real DALI pipeline, real files."""
+
+import json
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import TINY_ARGS, run_train
+
+
+def _args(tmp_path, run_dir, *extra):
+    data = tmp_path.parent / "tiny-data"  # shared by the runs of a test module
+    return [*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"), "--run_dir", str(run_dir), *extra]
+
+
+def _ok(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Three epochs in one go (the reference for the resume test)."""
+    root = tmp_path_factory.mktemp("straight")
+    _ok(run_train(_args(root, root / "run", "--num_epochs", "3")))
+    return root / "run"
+
+
+def test_training_learns_and_leaves_a_complete_run_dir(straight):
+    summary = json.loads((straight / "summary.json").read_text())
+    for key in ("initial_val_loss", "final_val_loss", "epochs", "steps", "wall_s", "samples_per_s", "world_size", "device", "precision"):
+        assert key in summary, key
+    assert summary["final_val_loss"] < 0.7 * summary["initial_val_loss"]
+    assert (summary["epochs"], summary["steps"], summary["world_size"], summary["precision"]) == (3, 48, 1, "fp32")
+    assert summary["samples_per_s"] > 0
+
+    resolved = json.loads((straight / "config.json").read_text())
+    assert resolved["name"] == "debug" and resolved["config"]["num_epochs"] == 3
+    assert resolved["deepspeed"]["train_batch_size"] == 8 and resolved["deepspeed"]["fp16"]["enabled"] is False
+
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss/train" in r]
+    valid = [r for r in records if "loss/valid" in r]
+    assert [r["step"] for r in train] == list(range(4, 49, 4))
+    assert [r["step"] for r in valid] == [0, 16, 32, 48]
+    assert valid[0]["loss/valid"] == summary["initial_val_loss"] and valid[-1]["loss/valid"] == summary["final_val_loss"]
+    assert train[-1]["lr"] == 0.0  # the cosine reaches end_lr at the last step
+
+    (events,) = (straight / "tensorboard").iterdir()
+    acc = EventAccumulator(str(events.parent))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss/train", "loss/valid", "lr", "throughput/samples_per_s"} <= tags
+    assert [e.step for e in acc.Scalars("loss/valid")] == [0, 16, 32, 48]
+
+    checkpoints = sorted(p.name for p in (straight / "checkpoints").iterdir())
+    assert checkpoints == ["epoch0001", "epoch0002", "epoch0003", "latest"]
+    assert (straight / "checkpoints" / "latest").read_text().strip() == "epoch0003"
+    assert "validation loss" in (straight / "train.log").read_text()
+
+
+def test_resume_continues_exactly(tmp_path, straight):
+    run = tmp_path / "run"
+    first = json.loads(_ok(run_train(_args(tmp_path, run, "--num_epochs", "3", "--stop_after_epoch", "2"))) and (run / "summary.json").read_text())
+    assert (first["epochs"], first["finished"]) == (2, False)
+    _ok(run_train(["--run_dir", str(run), "--resume"]))
+    resumed = json.loads((run / "summary.json").read_text())
+    expected = json.loads((straight / "summary.json").read_text())
+    assert (resumed["epochs"], resumed["steps"], resumed["resumed_from_epoch"]) == (3, 48, 2)
+    assert resumed["initial_val_loss"] == expected["initial_val_loss"]
+    assert resumed["final_val_loss"] == expected["final_val_loss"]  # bit for bit: same draws, same state
+
+
+def test_a_new_run_never_reuses_a_run_dir_with_checkpoints(straight, tmp_path):
+    before = sorted(p.stat().st_mtime_ns for p in (straight / "checkpoints").rglob("*"))
+    result = run_train(_args(tmp_path, straight, "--num_epochs", "1"))
+    assert result.returncode == 2
+    assert "already holds checkpoints: pass --resume" in result.stderr
+    assert sorted(p.stat().st_mtime_ns for p in (straight / "checkpoints").rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--synthetic", "null", "--train_path", "/nonexistent/train.h5"], "/nonexistent/train.h5: no such data file"),
+        (["--num_epochs", "three"], "num_epochs must be int, got 'three'"),
+        (["--global_batch_size", "12", "--micro_batch_size", "8"], "not a multiple of micro_batch_size 8"),
+        (["--deepspeed_config", "/nonexistent.json"], "cannot read DeepSpeed config /nonexistent.json"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, extra, message):
+    result = run_train(_args(tmp_path, tmp_path / "run", *extra))
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path):
+    result = run_train(["--run_dir", str(tmp_path / "empty"), "--resume"])
+    assert result.returncode == 2 and "config.json not found" in result.stderr
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="bf16 on CPU needs oneDNN")
+def test_bf16_on_cpu(tmp_path):
+    _ok(run_train(_args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--deepspeed_config", "ds_configs/ds_bf16.json")))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["precision"] == "bf16"
+    assert summary["final_val_loss"] < summary["initial_val_loss"]

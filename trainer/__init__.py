@@ -1,0 +1,1 @@
+"""Training the emulator through a DeepSpeed engine: config, distributed setup, schedule and loop."""

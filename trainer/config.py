@@ -1,0 +1,254 @@
+"""One typed experiment config, loaded strictly: defaults < YAML file < command line.
+
+Named configs live in a YAML file (``ds_configs/UNet.yaml``), one mapping per name, with YAML
+anchors for inheritance as in the reference. Every field below can be overridden from the command
+line, the reference's way for top-level keys (``--num_epochs 3``) and by dotted keys for nested ones
+(``--lr_schedule.start_lr 1e-3``). Unknown keys (with the closest known key suggested) and values of
+the wrong type are errors that name the key. Keys are the reference's where it had them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from pipeline.rotations import check_vector_groups
+from pipeline.synthetic import SyntheticSpec
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key."""
+
+
+def _field(default: Any, help: str) -> Any:
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class LRSchedule:
+    scaling: Literal["sqrt", "linear", "none"] = _field(
+        "sqrt", "scale start_lr by sqrt (or linear, or none) of global_batch_size / base_batch_size"
+    )
+    start_lr: float = _field(2e-4, "learning rate at base_batch_size")
+    end_lr: float = _field(0.0, "learning rate reached at the last step")
+    warmup_steps: int = _field(
+        128, "linear warm-up steps, used (as in the reference) only when scaling is not none and global > base batch"
+    )
+
+
+@dataclass
+class WeightInit:
+    conv_init: Literal["normal"] = _field("normal", "initialization of conv weights")
+    conv_scale: float = _field(0.02, "standard deviation of the conv weights")
+    conv_bias: Optional[float] = _field(0.0, "value of the conv biases (null: keep PyTorch's init)")
+
+
+@dataclass
+class Config:
+    # Data
+    train_path: str = _field("/data/downsamp_2048crop_train.h5", "HDF5 file with the training box")
+    val_path: str = _field("/data/downsamp_1024crop_valid.h5", "HDF5 file with the validation box")
+    synthetic: Optional[SyntheticSpec] = _field(
+        None, "if set, missing train/val files are generated from this synthetic spec on first use"
+    )
+    storage: Literal["host", "lazy"] = _field(
+        "lazy", "host: load the volumes into memory (the reference's inmem); lazy: read each crop from the file (lowmem)"
+    )
+    data_size: int = _field(64, "side of the training crops in voxels")
+    Nsamples: int = _field(65536, "training samples per epoch (over all ranks)")
+    Nsamples_val: int = _field(8192, "validation samples per evaluation (over all ranks)")
+    N_in_channels: int = _field(4, "input channels (dark-matter density, vx, vy, vz)")
+    N_out_channels: int = _field(5, "output channels (gas density, vx, vy, vz, temperature)")
+    input_vectors: list[list[int]] = _field([[1, 2, 3]], "input channels that form vectors (components along x, y, z)")
+    target_vectors: list[list[int]] = _field([[1, 2, 3]], "target channels that form vectors")
+    rotate: bool = _field(True, "apply one of the 24 rotations of the cube to each training sample")
+    dali_threads: int = _field(2, "DALI worker threads per rank")
+    # Model
+    unet_width: int = _field(64, "channels of the first U-Net level (64 in the reference)")
+    unet_depth: int = _field(6, "U-Net levels: 6 is the reference's full_scale: True, 5 its full_scale: False")
+    weight_init: WeightInit = _field(WeightInit(), "initialization of the network")
+    lambda_rho: float = _field(0.0, "weight of the extra L1 term on gas density in original space")
+    # Optimization
+    num_epochs: int = _field(10, "training epochs")
+    global_batch_size: int = _field(64, "samples per optimizer step, over all ranks")
+    base_batch_size: int = _field(64, "batch size at which lr_schedule.start_lr applies")
+    micro_batch_size: Optional[int] = _field(
+        None, "samples per rank per forward pass (null: global_batch_size / world size, no accumulation)"
+    )
+    lr_schedule: LRSchedule = _field(LRSchedule(), "learning-rate schedule")
+    deepspeed_config: str = _field("ds_configs/ds_fp16.json", "DeepSpeed JSON: precision, optimizer, ZeRO")
+    seed: int = _field(0, "base seed: model init, and crops (each rank draws with seed + global rank)")
+    # Logging and checkpoints
+    log_every_steps: int = _field(20, "optimizer steps between log points")
+    checkpoint_keep: int = _field(3, "checkpoints kept in the run directory (the newest ones)")
+    cpu_threads: Optional[int] = _field(None, "torch threads per rank on CPU (null: cores / ranks on this node)")
+
+    def validate(self) -> None:
+        positive = ["data_size", "Nsamples", "Nsamples_val", "num_epochs", "global_batch_size", "base_batch_size",
+                    "unet_width", "dali_threads", "log_every_steps", "checkpoint_keep"]  # fmt: skip
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.micro_batch_size is not None and self.micro_batch_size <= 0:
+            raise ConfigError(f"micro_batch_size must be positive, got {self.micro_batch_size}")
+        if self.data_size % 2**self.unet_depth:
+            raise ConfigError(
+                f"data_size {self.data_size} must be a multiple of 2^unet_depth = {2**self.unet_depth}"
+            )
+        if self.Nsamples < self.global_batch_size:
+            raise ConfigError(f"Nsamples {self.Nsamples} is smaller than global_batch_size {self.global_batch_size}")
+        if self.lr_schedule.start_lr <= 0 or self.lr_schedule.end_lr < 0:
+            raise ConfigError("lr_schedule.start_lr must be positive and lr_schedule.end_lr not negative")
+        for key, groups, channels in (
+            ("input_vectors", self.input_vectors, self.N_in_channels),
+            ("target_vectors", self.target_vectors, self.N_out_channels),
+        ):
+            try:
+                check_vector_groups(groups, channels)
+            except ValueError as err:
+                raise ConfigError(f"{key}: {err}") from None
+
+
+# Reference keys that we spell differently, so that its users learn where their knob went.
+RENAMED = {
+    "full_scale": "unet_depth (6 = full_scale: True, 5 = full_scale: False)",
+    "enable_amp": "precision is set in the DeepSpeed JSON (deepspeed_config)",
+    "enable_apex": "the optimizer is set in the DeepSpeed JSON (deepspeed_config)",
+    "enable_jit": "no JIT switch yet",
+    "data_loader_config": "storage (inmem = host, lowmem = lazy); the loader is always DALI",
+    "box_size": "the box size is read from the data files",
+    "expdir": "the --run_dir option",
+    "num_data_workers": "dali_threads",
+}
+
+
+def _unknown_key(key: str, known: list[str], where: str) -> ConfigError:
+    if key in RENAMED:
+        return ConfigError(f"unknown key '{where}{key}': {RENAMED[key]}")
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean '{where}{close[0]}'?)" if close else ""
+    return ConfigError(f"unknown key '{where}{key}'{hint}")
+
+
+def _convert(value: Any, hint: Any, key: str) -> Any:
+    """``value`` as type ``hint``, or ConfigError naming ``key``."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [o for o in options if o is not type(None)]
+        return _convert(value, inner, key)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{key} must be one of {list(typing.get_args(hint))}, got {value!r}")
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return from_dict(hint, value, prefix=f"{key}.")
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(value, hint):
+        return value
+    raise ConfigError(f"{key} must be {hint.__name__}, got {value!r}")
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``, strictly; missing keys take the defaults."""
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in known:
+            raise _unknown_key(key, known, prefix)
+    return cls(**{key: _convert(value, hints[key], prefix + key) for key, value in data.items()})
+
+
+def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, str]:
+    """Dotted key -> help, for every overridable field (nested dataclasses expanded, and themselves)."""
+    keys: dict[str, str] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        keys[key] = f.metadata.get("help", "")
+        inner = [h for h in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(h)]
+        if inner:
+            keys.update(leaf_keys(inner[0], key + "."))
+    return keys
+
+
+def load_named(path: Path, name: str) -> dict[str, Any]:
+    """The mapping named ``name`` in the YAML file ``path`` (YAML anchors resolved)."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path} must map config names to configs")
+    if name not in document:
+        raise ConfigError(f"no config named '{name}' in {path} (available: {', '.join(sorted(document))})")
+    selected = document[name]
+    if not isinstance(selected, dict):
+        raise ConfigError(f"config '{name}' in {path} is not a mapping")
+    return dict(selected)
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``a.b.c`` in nested dicts, creating (or replacing a null with) intermediate mappings."""
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[leaf] = value
+
+
+def parse_value(raw: str) -> Any:
+    """A command-line value as YAML would read it (3 -> int, 1e-3 -> float, null -> None, [1, 2] -> list)."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def build_config(base: dict[str, Any], overrides: dict[str, str]) -> Config:
+    """The config from a named mapping plus command-line ``overrides`` (dotted key -> raw string)."""
+    data = copy.deepcopy(base)
+    for key, raw in overrides.items():
+        set_dotted(data, key, parse_value(raw))
+    cfg = from_dict(Config, data)
+    cfg.validate()
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,124 @@
+"""The DeepSpeed side: batch arithmetic, the DeepSpeed JSON filled in Python, the engine itself.
+
+DeepSpeed owns micro-batch, accumulation and precision; the rest of the program asks the engine
+for them (``engine.train_micro_batch_size_per_gpu()``, ``engine.fp16_enabled()``...).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+# DeepSpeed's step prints go to its own logger every steps_per_print steps; ours report instead.
+_QUIET_STEPS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro_batch: int
+    accumulation: int
+    world_size: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.world_size
+
+
+def plan_batches(global_batch: int, micro_batch: int | None, world_size: int) -> BatchPlan:
+    """Micro-batch and accumulation from the global batch and the world size, or a clear error."""
+    if global_batch % world_size:
+        raise ConfigError(f"global_batch_size {global_batch} is not divisible by the world size {world_size}")
+    per_rank = global_batch // world_size
+    micro = per_rank if micro_batch is None else micro_batch
+    if per_rank % micro:
+        raise ConfigError(
+            f"global_batch_size {global_batch} over {world_size} rank(s) is {per_rank} per rank, "
+            f"not a multiple of micro_batch_size {micro}"
+        )
+    return BatchPlan(micro, per_rank // micro, world_size)
+
+
+def load_ds_template(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read DeepSpeed config {path}: {err.strerror}") from None
+    try:
+        template = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
+    if not isinstance(template, dict):
+        raise ConfigError(f"DeepSpeed config {path} must be a JSON object")
+    return template
+
+
+def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, device_type: str) -> dict[str, Any]:
+    """The DeepSpeed config for this run: batch sizes and lr filled in, precision fitted to the device.
+
+    fp16 with loss scaling is a GPU path: elsewhere it becomes fp32, with a warning. The recipe's
+    optimizer semantics are made explicit where DeepSpeed's defaults differ: plain Adam (not AdamW),
+    no gradient clipping unless the JSON asks for it.
+    """
+    cfg = copy.deepcopy(template)
+    batch = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.accumulation,
+    }
+    for key, value in batch.items():
+        if key in cfg and cfg[key] != value:
+            raise ConfigError(
+                f"DeepSpeed config sets {key}={cfg[key]}, but the experiment's batch settings give {value} "
+                f"(global {plan.global_batch} = micro {plan.micro_batch} x accumulation {plan.accumulation} "
+                f"x {plan.world_size} rank(s)); remove it from the JSON"
+            )
+        cfg[key] = value
+    if "scheduler" in cfg:
+        raise ConfigError("DeepSpeed config has a 'scheduler' section; the schedule is lr_schedule in the experiment config")
+    optimizer = cfg.setdefault("optimizer", {"type": "Adam"})
+    params = optimizer.setdefault("params", {})
+    if "lr" in params:
+        raise ConfigError("DeepSpeed config sets optimizer.params.lr; set lr_schedule.start_lr in the experiment config")
+    params["lr"] = lr
+    if optimizer.get("type", "").lower() == "adam":
+        params.setdefault("adam_w_mode", False)
+        if device_type == "cpu" and "torch_adam" not in params:
+            # FusedAdam's CPU build is a 45 s JIT compile for no gain here; torch.optim.Adam is the same math.
+            params["torch_adam"] = True
+    cfg.setdefault("gradient_clipping", 0.0)
+    cfg.setdefault("steps_per_print", _QUIET_STEPS)
+    if cfg.get("fp16", {}).get("enabled") and device_type != "cuda":
+        log.warning(
+            "fp16 with loss scaling needs a CUDA GPU; training in fp32 on %s instead (ds_configs/ds_bf16.json gives bf16)",
+            device_type,
+        )
+        cfg["fp16"] = {"enabled": False}
+    return cfg
+
+
+def train_dtype(engine: Any) -> torch.dtype:
+    """The dtype the engine's model computes in, which is what the pipeline must deliver."""
+    if engine.fp16_enabled():
+        return torch.float16
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    return torch.float32
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+
+
+def loss_scale(engine: Any) -> float | None:
+    """The current dynamic loss scale under fp16, else None."""
+    return float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None

@@ -1,0 +1,341 @@
+"""The training loop: a DeepSpeed engine fed by DALI, validated every epoch, checkpointed, resumable.
+
+``train_step``, ``evaluate`` and ``save_checkpoint`` are plain functions so that tests and the
+benchmarks call them instead of copying them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as torch_dist
+from deepspeed.accelerator import get_accelerator
+from tqdm import tqdm
+
+from model import UNet, unet_loss
+from pipeline.dali import CropSource, DaliLoader
+from pipeline.sampling import Augmenter, train_draw, val_draw
+from pipeline.synthetic import ensure_box
+from pipeline.volumes import VolumePair
+from trainer.config import Config, ConfigError, to_dict
+from trainer.dist import DistEnv
+from trainer.engine import (
+    load_ds_template,
+    loss_scale,
+    plan_batches,
+    precision_name,
+    resolve_ds_config,
+    train_dtype,
+)
+from trainer.lr_schedule import ScaledCosineSchedule, peak_lr, warmup_applies
+from trainer.runlog import RunLog
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+_TAG_PREFIX = "epoch"
+
+
+def train_step(engine: Any, inp: torch.Tensor, tar: torch.Tensor, lambda_rho: float) -> torch.Tensor:
+    """One micro-step: forward, backward, and (at an accumulation boundary) the optimizer step.
+
+    Returns the loss still on the device: reading it here would synchronize every step.
+    """
+    loss = unet_loss(engine(inp), tar, lambda_rho)
+    engine.backward(loss)
+    engine.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def evaluate(engine: Any, loader: DaliLoader, lambda_rho: float) -> float:
+    """Mean validation loss per sample over all ranks (one reduction of [sum, count])."""
+    engine.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    for inp, tar in loader:
+        totals[0] += unet_loss(engine(inp), tar, lambda_rho) * inp.shape[0]
+        totals[1] += inp.shape[0]
+    engine.train()
+    torch_dist.all_reduce(totals)
+    return float(totals[0] / totals[1])
+
+
+def save_checkpoint(engine: Any, run_dir: Path, epoch: int, client_state: dict[str, Any], keep: int) -> None:
+    """Save a checkpoint tagged by epoch on every rank, then keep only the newest ``keep``."""
+    ckpt_dir = run_dir / CHECKPOINT_DIR
+    engine.save_checkpoint(str(ckpt_dir), tag=f"{_TAG_PREFIX}{epoch:04d}", client_state=client_state)
+    torch_dist.barrier()
+    if torch_dist.get_rank() == 0:
+        tags = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(_TAG_PREFIX))
+        for old in tags[:-keep]:
+            shutil.rmtree(old)
+
+
+def init_distributed(dist: DistEnv) -> str:
+    """Start torch.distributed (NCCL on GPUs, gloo on CPUs) and return the device type."""
+    device_type = get_accelerator().device_name()
+    dist.export()
+    if device_type == "cuda":
+        torch.cuda.set_device(dist.local_rank)
+    deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo")
+    return device_type
+
+
+def prepare_data(cfg: Config, dist: DistEnv) -> None:
+    """Generate the synthetic boxes the config asks for, once per node, before anyone reads them."""
+    if cfg.synthetic is not None and dist.local_rank == 0:
+        for which, path in (("train", cfg.train_path), ("val", cfg.val_path)):
+            if ensure_box(Path(path), cfg.synthetic, which):
+                log.info("generated synthetic %s box %s", which, path)
+    torch_dist.barrier()
+
+
+def _device_name(device_type: str, local_rank: int) -> str:
+    if device_type == "cuda":
+        return torch.cuda.get_device_name(local_rank)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+@dataclass
+class Interval:
+    """Optimizer steps and losses since the last log point; losses stay on the device until then."""
+
+    start: float
+    steps: int = 0
+    loss_sum: torch.Tensor | None = None
+    micro_steps: int = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        self.micro_steps += 1
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: Config,
+        name: str,
+        dist: DistEnv,
+        device_type: str,
+        run_dir: Path,
+        resume: bool,
+        stop_after_epoch: int | None = None,
+    ) -> None:
+        self.cfg, self.name, self.dist, self.run_dir = cfg, name, dist, run_dir
+        self.device_type = device_type
+        self.stop_after_epoch = stop_after_epoch
+        if device_type == "cpu":
+            torch.set_num_threads(cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // dist.local_world_size))
+
+        plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size)
+        self.steps_per_epoch = cfg.Nsamples // cfg.global_batch_size
+        total_steps = cfg.num_epochs * self.steps_per_epoch
+        sched = cfg.lr_schedule
+        if sched.warmup_steps and not warmup_applies(sched.scaling, cfg.global_batch_size, cfg.base_batch_size):
+            log.info("no lr warm-up: it applies only when the lr is scaled up (scaling != none, global > base batch)")
+        self.ds_config = resolve_ds_config(
+            load_ds_template(cfg.deepspeed_config),
+            plan,
+            peak_lr(sched.start_lr, sched.scaling, cfg.global_batch_size, cfg.base_batch_size),
+            device_type,
+        )
+
+        torch.manual_seed(cfg.seed)
+        model = UNet(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth)
+        model.init_weights(cfg.weight_init.conv_scale, cfg.weight_init.conv_bias)
+        self.num_parameters = sum(p.numel() for p in model.parameters())
+
+        def make_schedule(optimizer: torch.optim.Optimizer) -> ScaledCosineSchedule:
+            return ScaledCosineSchedule(
+                optimizer,
+                start_lr=sched.start_lr,
+                end_lr=sched.end_lr,
+                warmup_steps=sched.warmup_steps,
+                total_steps=total_steps,
+                scaling=sched.scaling,
+                global_batch=cfg.global_batch_size,
+                base_batch=cfg.base_batch_size,
+            )
+
+        try:
+            self.engine, _, _, self.schedule = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config=self.ds_config, lr_scheduler=make_schedule
+            )
+        except ValueError as err:  # DeepSpeed's own config checks
+            raise ConfigError(f"DeepSpeed rejected {cfg.deepspeed_config}: {err}") from None
+        self.dtype = train_dtype(self.engine)
+
+        self.start_epoch, self.initial_val_loss = 0, None
+        if resume:
+            self.start_epoch, self.initial_val_loss = self._load_checkpoint()
+
+        self.train_loader, self.val_loader = self._build_loaders()
+        self.runlog = RunLog(run_dir, enabled=dist.is_main)
+
+    def _load_checkpoint(self) -> tuple[int, float]:
+        ckpt_dir = self.run_dir / CHECKPOINT_DIR
+        if not (ckpt_dir / "latest").is_file():
+            raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+        path, client_state = self.engine.load_checkpoint(str(ckpt_dir))
+        if path is None:
+            raise ConfigError(f"--resume: the checkpoint in {ckpt_dir} could not be loaded")
+        log.info("resumed from %s after epoch %d (step %d)", path, client_state["epoch"], self.engine.global_steps)
+        return int(client_state["epoch"]), float(client_state["initial_val_loss"])
+
+    def _build_loaders(self) -> tuple[DaliLoader, DaliLoader]:
+        cfg, dist = self.cfg, self.dist
+        micro = self.engine.train_micro_batch_size_per_gpu()
+        accumulation = self.engine.gradient_accumulation_steps()
+        device_id = dist.local_rank if self.device_type == "cuda" else None
+        crop = cfg.data_size
+
+        train_volumes = VolumePair.open(cfg.train_path, cfg.N_in_channels, cfg.N_out_channels, crop, cfg.storage)
+        augmenter = Augmenter(cfg.N_in_channels, cfg.N_out_channels, cfg.input_vectors, cfg.target_vectors)
+        seed, box = cfg.seed + dist.rank, train_volumes.box_size
+
+        def draw_train(epoch: int, index: int):
+            return train_draw(seed, epoch, index, box, crop, cfg.rotate)
+
+        train_source = CropSource(
+            train_volumes,
+            crop,
+            num_samples=self.steps_per_epoch * micro * accumulation,
+            draw=draw_train,
+            augmenter=augmenter if cfg.rotate else None,
+            first_epoch=self.start_epoch,
+        )
+
+        val_volumes = VolumePair.open(cfg.val_path, cfg.N_in_channels, cfg.N_out_channels, crop, cfg.storage)
+        per_rank = cfg.Nsamples_val // dist.world_size // micro * micro
+        if per_rank == 0:
+            raise ConfigError(
+                f"Nsamples_val {cfg.Nsamples_val} gives less than one batch of {micro} per rank on {dist.world_size} rank(s)"
+            )
+        if per_rank * dist.world_size != cfg.Nsamples_val:
+            log.warning(
+                "validating on %d samples: Nsamples_val %d is not a multiple of %d ranks x batch %d",
+                per_rank * dist.world_size, cfg.Nsamples_val, dist.world_size, micro,
+            )  # fmt: skip
+        val_box, first_index = val_volumes.box_size, dist.rank * per_rank
+
+        def draw_val(epoch: int, index: int):
+            return val_draw(cfg.seed, first_index + index, val_box, crop)
+
+        val_source = CropSource(val_volumes, crop, num_samples=per_rank, draw=draw_val, augmenter=None)
+        return (
+            DaliLoader(train_source, micro, device_id, self.dtype, cfg.dali_threads),
+            DaliLoader(val_source, micro, device_id, self.dtype, cfg.dali_threads),
+        )
+
+    def _client_state(self, epoch: int) -> dict[str, Any]:
+        return {"epoch": epoch, "initial_val_loss": self.initial_val_loss, "config_name": self.name}
+
+    def _reduce_mean(self, interval: Interval) -> float:
+        """Mean training loss over the interval's micro-steps and over all ranks (a sync point)."""
+        totals = torch.stack([interval.loss_sum.double(), torch.tensor(float(interval.micro_steps), device=self.engine.device, dtype=torch.float64)])  # fmt: skip
+        torch_dist.all_reduce(totals)
+        return float(totals[0] / totals[1])
+
+    def train(self) -> dict[str, Any]:
+        cfg, engine = self.cfg, self.engine
+        wall_start = time.perf_counter()
+        last_epoch = cfg.num_epochs if self.stop_after_epoch is None else min(cfg.num_epochs, self.stop_after_epoch)
+        log.info(
+            "training %s: %d parameters, %s on %s, %d rank(s), micro-batch %d x accumulation %d = global batch %d",
+            self.name, self.num_parameters, precision_name(self.dtype), _device_name(self.device_type, self.dist.local_rank),
+            self.dist.world_size, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+            cfg.global_batch_size,
+        )  # fmt: skip
+        if self.initial_val_loss is None:
+            self.initial_val_loss = evaluate(engine, self.val_loader, cfg.lambda_rho)
+            self.runlog.write(0, epoch=0, **{"loss/valid": self.initial_val_loss})
+            log.info("initial validation loss %.5f", self.initial_val_loss)
+
+        throughputs: list[float] = []
+        val_loss = self.initial_val_loss
+        show_bar = self.dist.is_main and sys.stderr.isatty()
+        for epoch in range(self.start_epoch, last_epoch):
+            bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}/{cfg.num_epochs}", disable=not show_bar, leave=False)
+            interval = Interval(time.perf_counter())
+            for inp, tar in self.train_loader:
+                step_before = engine.global_steps
+                interval.add(train_step(engine, inp, tar, cfg.lambda_rho))
+                if engine.global_steps == step_before:
+                    continue  # inside a gradient accumulation
+                interval.steps += 1
+                bar.update(1)
+                steps_in_epoch = engine.global_steps - epoch * self.steps_per_epoch
+                if engine.global_steps % cfg.log_every_steps == 0 or steps_in_epoch == self.steps_per_epoch:
+                    throughputs.append(self._log_interval(epoch, interval, bar))
+                    interval = Interval(time.perf_counter())
+            bar.close()
+            val_loss = evaluate(engine, self.val_loader, cfg.lambda_rho)
+            self.runlog.write(engine.global_steps, epoch=epoch + 1, **{"loss/valid": val_loss})
+            log.info("epoch %d/%d: validation loss %.5f", epoch + 1, cfg.num_epochs, val_loss)
+            save_checkpoint(engine, self.run_dir, epoch + 1, self._client_state(epoch + 1), cfg.checkpoint_keep)
+
+        # The first interval holds start-up work (kernel selection, first batches): not a rate.
+        rates = throughputs[1:] or throughputs
+        summary = {
+            "config": self.name,
+            "initial_val_loss": self.initial_val_loss,
+            "final_val_loss": val_loss,
+            "epochs": last_epoch,
+            "finished": last_epoch == cfg.num_epochs,
+            "resumed_from_epoch": self.start_epoch or None,
+            "steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps,
+            "wall_s": round(time.perf_counter() - wall_start, 3),
+            "samples_per_s": statistics.median(rates) if rates else None,
+            "world_size": self.dist.world_size,
+            "device": _device_name(self.device_type, self.dist.local_rank),
+            "precision": precision_name(self.dtype),
+            "parameters": self.num_parameters,
+        }
+        if self.dist.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.runlog.close()
+        log.info("done: validation loss %.5f -> %.5f in %.1f s", self.initial_val_loss, val_loss, summary["wall_s"])
+        return summary
+
+    def _log_interval(self, epoch: int, interval: Interval, bar: tqdm) -> float:
+        engine = self.engine
+        loss = self._reduce_mean(interval)  # synchronizes the device: the rate below is honest
+        elapsed = time.perf_counter() - interval.start
+        rate = interval.steps * self.cfg.global_batch_size / elapsed
+        lr = self.schedule.get_last_lr()[0]
+        values = {"loss/train": loss, "lr": lr, "throughput/samples_per_s": rate, "loss_scale": loss_scale(engine)}
+        self.runlog.write(
+            engine.global_steps, epoch=epoch + 1, samples=engine.global_steps * self.cfg.global_batch_size,
+            **{k: v for k, v in values.items() if v is not None},
+        )  # fmt: skip
+        bar.set_postfix(loss=f"{loss:.4f}", rate=f"{rate:.0f}/s")
+        if not bar.disable:
+            return rate
+        log.info(
+            "epoch %d step %d: loss %.5f, lr %.3g, %.1f samples/s", epoch + 1, engine.global_steps, loss, lr, rate
+        )
+        return rate
+
+
+def write_resolved_config(run_dir: Path, name: str, cfg: Config, ds_config: dict[str, Any], dist: DistEnv) -> None:
+    record = {"name": name, "world_size": dist.world_size, "config": to_dict(cfg), "deepspeed": ds_config}
+    (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
