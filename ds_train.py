@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         dist = DistEnv.from_environ()
         name, cfg = resolve_config(args, overrides)
-        device_type = init_distributed(dist)
+        device = init_distributed(dist)
         run_dir = resolve_run_dir(args, name, dist)
         if dist.is_main:
             handler = logging.FileHandler(run_dir / "train.log")
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger().addHandler(handler)
             log.info("run directory %s", run_dir)
         prepare_data(cfg, dist)
-        trainer = Trainer(cfg, name, dist, device_type, run_dir, args.resume, args.stop_after_epoch)
+        trainer = Trainer(cfg, name, dist, device, run_dir, args.resume, args.stop_after_epoch)
         if dist.is_main:
             write_resolved_config(run_dir, name, cfg, trainer.ds_config, dist)
         trainer.train()

@@ -1,8 +1,10 @@
 """DALI pipelines: crops from an external source, rotated on the training device.
 
 The graph reads like the recipe: take a crop, move it to the device, rotate it (inputs and targets
-alike, vector channels turned with the volume), cast it to the dtype the engine trains in. The same
-graph runs on the CPU (``device_id=None``) and on a GPU; only where the data lives differs.
+alike, vector channels turned with the volume), cast the input to the dtype the engine trains in.
+Targets stay float32, the precision of the loss: float16 would round them by up to 2.4e-4, a
+visible share of a converged L1 of about 5e-3. The same graph runs on the CPU (``device_id=None``)
+and on a GPU; only where the data lives differs.
 """
 
 from __future__ import annotations
@@ -109,12 +111,15 @@ def _graph(source: CropSource, on_gpu: bool, dtype: types.DALIDataType):
         inp = rotate(inp, perm_index, flips, sign_in, aug.in_channels, aug.in_vectors)
         tar = rotate(tar, perm_index, flips, sign_out, aug.out_channels, aug.out_vectors)
     if dtype != types.FLOAT:
-        inp, tar = fn.cast(inp, dtype=dtype), fn.cast(tar, dtype=dtype)
+        inp = fn.cast(inp, dtype=dtype)
     return inp, tar
 
 
 class DaliLoader:
-    """Iterates over one epoch of (input, target) NCDHW torch tensors per ``for`` loop."""
+    """Iterates over one epoch of (input, target) NCDHW torch tensors per ``for`` loop.
+
+    Inputs come in ``dtype`` (the engine's), targets in float32.
+    """
 
     def __init__(
         self,
@@ -147,5 +152,5 @@ class DaliLoader:
         for batch in self._iterator:
             inp, tar = batch[0]["inp"], batch[0]["tar"]
             if inp.dtype != self.dtype:  # bfloat16 only: one cast kernel per batch
-                inp, tar = inp.to(self.dtype), tar.to(self.dtype)
+                inp = inp.to(self.dtype)
             yield inp, tar

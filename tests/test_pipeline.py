@@ -58,9 +58,11 @@ def test_general_vector_layouts_match_reference(tiny_data):
 def test_output_in_training_dtype(volumes, dtype):
     loader = DaliLoader(CropSource(volumes, CROP, 8, _every_rotation, AUG), 8, None, dtype, 1)
     ((inp, tar),) = _batches(loader)
-    assert inp.dtype == tar.dtype == dtype and inp.is_contiguous()
-    ref_inp, _ = AUG.reference(volumes, _every_rotation(0, 3), CROP)
+    assert inp.dtype == dtype and inp.is_contiguous()
+    assert tar.dtype == torch.float32  # the loss's precision
+    ref_inp, ref_tar = AUG.reference(volumes, _every_rotation(0, 3), CROP)
     assert torch.equal(inp[3], torch.from_numpy(ref_inp).to(dtype))
+    assert torch.equal(tar[3], torch.from_numpy(ref_tar))
 
 
 def test_validation_is_plain_crops(volumes):

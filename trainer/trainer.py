@@ -22,6 +22,7 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from model import UNet, unet_loss
 from pipeline.dali import CropSource, DaliLoader
@@ -82,14 +83,25 @@ def save_checkpoint(engine: Any, run_dir: Path, epoch: int, client_state: dict[s
             shutil.rmtree(old)
 
 
-def init_distributed(dist: DistEnv) -> str:
-    """Start torch.distributed (NCCL on GPUs, gloo on CPUs) and return the device type."""
+@dataclass(frozen=True)
+class Device:
+    type: str
+    """'cuda' or 'cpu', as DeepSpeed's accelerator names it."""
+    index: int | None
+    """The GPU this rank uses, None on CPU."""
+
+
+def init_distributed(dist: DistEnv) -> Device:
+    """Start torch.distributed (NCCL on GPUs, gloo on CPUs) and pick this rank's device."""
     device_type = get_accelerator().device_name()
     dist.export()
+    index = None
     if device_type == "cuda":
-        torch.cuda.set_device(dist.local_rank)
+        # With one GPU visible per task (Slurm's --gpus-per-task), that GPU is 0 whatever the local rank.
+        index = dist.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
     deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo")
-    return device_type
+    return Device(device_type, index)
 
 
 def prepare_data(cfg: Config, dist: DistEnv) -> None:
@@ -101,9 +113,9 @@ def prepare_data(cfg: Config, dist: DistEnv) -> None:
     torch_dist.barrier()
 
 
-def _device_name(device_type: str, local_rank: int) -> str:
-    if device_type == "cuda":
-        return torch.cuda.get_device_name(local_rank)
+def _device_name(device: Device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device.index)
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -134,16 +146,20 @@ class Trainer:
         cfg: Config,
         name: str,
         dist: DistEnv,
-        device_type: str,
+        device: Device,
         run_dir: Path,
         resume: bool,
         stop_after_epoch: int | None = None,
     ) -> None:
-        self.cfg, self.name, self.dist, self.run_dir = cfg, name, dist, run_dir
-        self.device_type = device_type
+        self.cfg, self.name, self.dist, self.device, self.run_dir = cfg, name, dist, device, run_dir
         self.stop_after_epoch = stop_after_epoch
-        if device_type == "cpu":
+        if device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // dist.local_world_size))
+        # Bad data is found before the engine is built, not after.
+        self.train_volumes, self.val_volumes = (
+            VolumePair.open(path, cfg.N_in_channels, cfg.N_out_channels, cfg.data_size, cfg.storage)
+            for path in (cfg.train_path, cfg.val_path)
+        )
 
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size)
         self.steps_per_epoch = cfg.Nsamples // cfg.global_batch_size
@@ -155,7 +171,7 @@ class Trainer:
             load_ds_template(cfg.deepspeed_config),
             plan,
             peak_lr(sched.start_lr, sched.scaling, cfg.global_batch_size, cfg.base_batch_size),
-            device_type,
+            device.type,
         )
 
         torch.manual_seed(cfg.seed)
@@ -204,10 +220,8 @@ class Trainer:
         cfg, dist = self.cfg, self.dist
         micro = self.engine.train_micro_batch_size_per_gpu()
         accumulation = self.engine.gradient_accumulation_steps()
-        device_id = dist.local_rank if self.device_type == "cuda" else None
         crop = cfg.data_size
-
-        train_volumes = VolumePair.open(cfg.train_path, cfg.N_in_channels, cfg.N_out_channels, crop, cfg.storage)
+        train_volumes, val_volumes = self.train_volumes, self.val_volumes
         augmenter = Augmenter(cfg.N_in_channels, cfg.N_out_channels, cfg.input_vectors, cfg.target_vectors)
         seed, box = cfg.seed + dist.rank, train_volumes.box_size
 
@@ -223,7 +237,6 @@ class Trainer:
             first_epoch=self.start_epoch,
         )
 
-        val_volumes = VolumePair.open(cfg.val_path, cfg.N_in_channels, cfg.N_out_channels, crop, cfg.storage)
         per_rank = cfg.Nsamples_val // dist.world_size // micro * micro
         if per_rank == 0:
             raise ConfigError(
@@ -241,8 +254,8 @@ class Trainer:
 
         val_source = CropSource(val_volumes, crop, num_samples=per_rank, draw=draw_val, augmenter=None)
         return (
-            DaliLoader(train_source, micro, device_id, self.dtype, cfg.dali_threads),
-            DaliLoader(val_source, micro, device_id, self.dtype, cfg.dali_threads),
+            DaliLoader(train_source, micro, self.device.index, self.dtype, cfg.dali_threads),
+            DaliLoader(val_source, micro, self.device.index, self.dtype, cfg.dali_threads),
         )
 
     def _client_state(self, epoch: int) -> dict[str, Any]:
@@ -250,7 +263,8 @@ class Trainer:
 
     def _reduce_mean(self, interval: Interval) -> float:
         """Mean training loss over the interval's micro-steps and over all ranks (a sync point)."""
-        totals = torch.stack([interval.loss_sum.double(), torch.tensor(float(interval.micro_steps), device=self.engine.device, dtype=torch.float64)])  # fmt: skip
+        count = torch.tensor(float(interval.micro_steps), dtype=torch.float64, device=self.engine.device)
+        totals = torch.stack([interval.loss_sum.double(), count])
         torch_dist.all_reduce(totals)
         return float(totals[0] / totals[1])
 
@@ -260,7 +274,7 @@ class Trainer:
         last_epoch = cfg.num_epochs if self.stop_after_epoch is None else min(cfg.num_epochs, self.stop_after_epoch)
         log.info(
             "training %s: %d parameters, %s on %s, %d rank(s), micro-batch %d x accumulation %d = global batch %d",
-            self.name, self.num_parameters, precision_name(self.dtype), _device_name(self.device_type, self.dist.local_rank),
+            self.name, self.num_parameters, precision_name(self.dtype), _device_name(self.device),
             self.dist.world_size, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
             cfg.global_batch_size,
         )  # fmt: skip
@@ -272,25 +286,13 @@ class Trainer:
         throughputs: list[float] = []
         val_loss = self.initial_val_loss
         show_bar = self.dist.is_main and sys.stderr.isatty()
-        for epoch in range(self.start_epoch, last_epoch):
-            bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}/{cfg.num_epochs}", disable=not show_bar, leave=False)
-            interval = Interval(time.perf_counter())
-            for inp, tar in self.train_loader:
-                step_before = engine.global_steps
-                interval.add(train_step(engine, inp, tar, cfg.lambda_rho))
-                if engine.global_steps == step_before:
-                    continue  # inside a gradient accumulation
-                interval.steps += 1
-                bar.update(1)
-                steps_in_epoch = engine.global_steps - epoch * self.steps_per_epoch
-                if engine.global_steps % cfg.log_every_steps == 0 or steps_in_epoch == self.steps_per_epoch:
-                    throughputs.append(self._log_interval(epoch, interval, bar))
-                    interval = Interval(time.perf_counter())
-            bar.close()
-            val_loss = evaluate(engine, self.val_loader, cfg.lambda_rho)
-            self.runlog.write(engine.global_steps, epoch=epoch + 1, **{"loss/valid": val_loss})
-            log.info("epoch %d/%d: validation loss %.5f", epoch + 1, cfg.num_epochs, val_loss)
-            save_checkpoint(engine, self.run_dir, epoch + 1, self._client_state(epoch + 1), cfg.checkpoint_keep)
+        with logging_redirect_tqdm():  # log lines print above the progress bar
+            for epoch in range(self.start_epoch, last_epoch):
+                self._train_epoch(epoch, throughputs, show_bar)
+                val_loss = evaluate(engine, self.val_loader, cfg.lambda_rho)
+                self.runlog.write(engine.global_steps, epoch=epoch + 1, **{"loss/valid": val_loss})
+                log.info("epoch %d/%d: validation loss %.5f", epoch + 1, cfg.num_epochs, val_loss)
+                save_checkpoint(engine, self.run_dir, epoch + 1, self._client_state(epoch + 1), cfg.checkpoint_keep)
 
         # The first interval holds start-up work (kernel selection, first batches): not a rate.
         rates = throughputs[1:] or throughputs
@@ -306,7 +308,7 @@ class Trainer:
             "wall_s": round(time.perf_counter() - wall_start, 3),
             "samples_per_s": statistics.median(rates) if rates else None,
             "world_size": self.dist.world_size,
-            "device": _device_name(self.device_type, self.dist.local_rank),
+            "device": _device_name(self.device),
             "precision": precision_name(self.dtype),
             "parameters": self.num_parameters,
         }
@@ -316,20 +318,35 @@ class Trainer:
         log.info("done: validation loss %.5f -> %.5f in %.1f s", self.initial_val_loss, val_loss, summary["wall_s"])
         return summary
 
+    def _train_epoch(self, epoch: int, throughputs: list[float], show_bar: bool) -> None:
+        cfg, engine = self.cfg, self.engine
+        bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}/{cfg.num_epochs}", disable=not show_bar, leave=False)
+        interval = Interval(time.perf_counter())
+        for inp, tar in self.train_loader:
+            step_before = engine.global_steps
+            interval.add(train_step(engine, inp, tar, cfg.lambda_rho))
+            if engine.global_steps == step_before:
+                continue  # inside a gradient accumulation
+            interval.steps += 1
+            bar.update(1)
+            steps_in_epoch = engine.global_steps - epoch * self.steps_per_epoch
+            if engine.global_steps % cfg.log_every_steps == 0 or steps_in_epoch == self.steps_per_epoch:
+                throughputs.append(self._log_interval(epoch, interval, bar))
+                interval = Interval(time.perf_counter())
+        bar.close()
+
     def _log_interval(self, epoch: int, interval: Interval, bar: tqdm) -> float:
         engine = self.engine
         loss = self._reduce_mean(interval)  # synchronizes the device: the rate below is honest
         elapsed = time.perf_counter() - interval.start
         rate = interval.steps * self.cfg.global_batch_size / elapsed
-        lr = self.schedule.get_last_lr()[0]
+        lr = self.schedule.lr_at(self.schedule.steps_taken)  # what the last step used
         values = {"loss/train": loss, "lr": lr, "throughput/samples_per_s": rate, "loss_scale": loss_scale(engine)}
         self.runlog.write(
             engine.global_steps, epoch=epoch + 1, samples=engine.global_steps * self.cfg.global_batch_size,
             **{k: v for k, v in values.items() if v is not None},
         )  # fmt: skip
         bar.set_postfix(loss=f"{loss:.4f}", rate=f"{rate:.0f}/s")
-        if not bar.disable:
-            return rate
         log.info(
             "epoch %d step %d: loss %.5f, lr %.3g, %.1f samples/s", epoch + 1, engine.global_steps, loss, lr, rate
         )
