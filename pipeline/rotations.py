@@ -6,8 +6,8 @@ channel moves with the grid, ``s'(R x) = s(x)``, and a vector field also turns i
 ``v'(R x) = R v(x)``. On the grid this is exact: transpose the spatial axes by ``perm``, reverse
 the axes where ``signs`` is -1, and, for each vector (three channels holding the components
 along the three spatial axes), output component ``a`` is ``signs[a]`` times input component
-``perm[a]``. Every backend applies rotations through ``RotationArgs`` so that they agree with
-``rotate_volume`` here, which the tests use as the reference.
+``perm[a]``. ``rotate_into`` here is the reference, and the CPU path; the device backends take
+``RotationArgs`` and are tested against it.
 """
 
 from __future__ import annotations
@@ -115,11 +115,25 @@ def rotation_args(rot: Rotation, num_channels: int, groups: VectorGroups) -> Rot
     )
 
 
+def rotate_into(x: np.ndarray, rot: Rotation, groups: VectorGroups, out: np.ndarray) -> np.ndarray:
+    """Write ``x`` (C, D, H, W) rotated by ``rot`` into ``out``, in one pass: the reference implementation.
+
+    ``x`` may be any strided view (a crop window of a larger volume, a transposed memory map): the
+    transpose and flips are strides of a view, so each output channel is one copy from its source
+    channel, negated where the rotation reverses that vector component.
+    """
+    view = np.transpose(x, (0, *(1 + p for p in rot.perm)))
+    view = np.flip(view, axis=tuple(1 + a for a in range(3) if rot.signs[a] < 0))
+    order = channel_order(rot.perm, x.shape[0], groups)
+    sign = channel_signs(rot, x.shape[0], groups)
+    for c in range(x.shape[0]):
+        if sign[c] > 0:
+            np.copyto(out[c], view[order[c]])
+        else:
+            np.negative(view[order[c]], out=out[c])
+    return out
+
+
 def rotate_volume(x: np.ndarray, rot: Rotation, groups: VectorGroups) -> np.ndarray:
-    """The reference implementation: rotate a (C, D, H, W) array, turning vector channels with it."""
-    num_channels = x.shape[0]
-    y = np.transpose(x, (0, *(1 + p for p in rot.perm)))
-    y = np.flip(y, axis=tuple(1 + a for a in range(3) if rot.signs[a] < 0))
-    y = y[list(channel_order(rot.perm, num_channels, groups))]
-    sign = channel_signs(rot, num_channels, groups)
-    return np.ascontiguousarray(y * sign.reshape(num_channels, 1, 1, 1).astype(x.dtype))
+    """``x`` (C, D, H, W) rotated by ``rot`` into a new array."""
+    return rotate_into(x, rot, groups, np.empty(x.shape, dtype=x.dtype))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.rotations import ROTATIONS, RotationArgs, VectorGroups, rotate_volume, rotation_args
+from pipeline.rotations import ROTATIONS, RotationArgs, VectorGroups, rotation_args
 from pipeline.volumes import VolumePair
 
 # Separates the validation stream from training epochs (SeedSequence entropy must be non-negative).
@@ -45,8 +45,38 @@ def val_draw(seed: int, index: int, box_size: int, crop_size: int) -> SampleDraw
 
 
 @dataclass(frozen=True)
+class DrawPlan:
+    """The samples one rank takes in an epoch, batch by batch: a pure function of config, rank and seed.
+
+    Training plans draw with ``seed`` = base seed + global rank and a fresh set per epoch; validation
+    plans draw from the rank-independent validation stream, indices ``first_index`` onwards, the same
+    every epoch. The last batch is smaller when ``num_samples`` is not a multiple of ``batch_size``.
+    """
+
+    seed: int
+    num_samples: int
+    batch_size: int
+    box_size: int
+    crop_size: int
+    rotate: bool
+    validation: bool = False
+    first_index: int = 0
+
+    @property
+    def num_batches(self) -> int:
+        return -(-self.num_samples // self.batch_size)
+
+    def batch_draws(self, epoch: int, batch: int) -> list[SampleDraw]:
+        start = batch * self.batch_size
+        indices = range(start, min(start + self.batch_size, self.num_samples))
+        if self.validation:
+            return [val_draw(self.seed, self.first_index + i, self.box_size, self.crop_size) for i in indices]
+        return [train_draw(self.seed, epoch, i, self.box_size, self.crop_size, self.rotate) for i in indices]
+
+
+@dataclass(frozen=True)
 class Augmenter:
-    """Turns a draw into the arguments of the rotation, for inputs and targets alike."""
+    """The channel layout of inputs and targets, and the rotation arguments a draw implies for them."""
 
     in_channels: int
     out_channels: int
@@ -62,6 +92,7 @@ class Augmenter:
 
     def reference(self, volumes: VolumePair, draw: SampleDraw, crop_size: int) -> tuple[np.ndarray, np.ndarray]:
         """The numpy reference of one augmented sample, which every backend must reproduce exactly."""
-        inp, tar = volumes.crop(draw.corner, crop_size)
-        rot = ROTATIONS[draw.rotation]
-        return rotate_volume(inp, rot, self.in_vectors), rotate_volume(tar, rot, self.out_vectors)
+        inp = np.empty((self.in_channels,) + (crop_size,) * 3, dtype=np.float32)
+        tar = np.empty((self.out_channels,) + (crop_size,) * 3, dtype=np.float32)
+        volumes.cut(draw.corner, crop_size, ROTATIONS[draw.rotation], (self.in_vectors, self.out_vectors), inp, tar)
+        return inp, tar

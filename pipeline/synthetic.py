@@ -145,6 +145,9 @@ def write_box(path: Path, spec: SyntheticSpec, box_size: int, seed: int) -> None
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; data files are shared like any other
     try:
         with h5py.File(tmp, "w") as f:
             for key, value in _attributes(spec, box_size, seed).items():

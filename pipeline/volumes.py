@@ -1,81 +1,164 @@
-"""Opening a pair of N-body / hydro volumes, with the checks that catch bad data before training."""
+"""Opening the (input, target) volumes of a split, with the checks that catch bad data before training.
+
+Two formats: the reference's HDF5 files (datasets ``Nbody`` and ``Hydro`` in one file) and ``.npy``
+files, one for inputs and one for targets, memory-mapped, channels first (CDHW) or last (DHWC) as
+declared. Whatever the format, ``VolumePair`` exposes both volumes as (C, L, L, L) array-likes, so
+that cutting a crop is the same slicing for all of them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import h5py
 import numpy as np
 
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
+from pipeline.rotations import Rotation, VectorGroups, rotate_into
 
-Storage = Literal["host", "lazy"]
+DataFormat = Literal["hdf5", "npy"]
+NpyLayout = Literal["CDHW", "DHWC"]
 
 
 class DataError(ValueError):
     """Data that cannot be trained on; the message names the file and the problem."""
 
 
+@dataclass(frozen=True)
+class VolumeFiles:
+    """Where one split's volumes are: an HDF5 file, or a pair of .npy files."""
+
+    format: DataFormat
+    inputs: Path
+    targets: Path
+    npy_layout: NpyLayout = "CDHW"
+
+    @classmethod
+    def hdf5(cls, path: str | Path) -> VolumeFiles:
+        return cls("hdf5", Path(path), Path(path))
+
+    @classmethod
+    def npy(cls, inputs: str | Path, targets: str | Path, layout: NpyLayout) -> VolumeFiles:
+        return cls("npy", Path(inputs), Path(targets), layout)
+
+
+def _open_hdf5(path: Path, name: str) -> h5py.Dataset:
+    if not path.is_file():
+        raise DataError(f"{path}: no such data file")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as err:
+        raise DataError(f"{path}: not a readable HDF5 file ({err})") from None
+    if name not in f:
+        raise DataError(f"{path}: no dataset '{name}' (found: {sorted(f.keys())})")
+    return f[name]
+
+
+def _open_npy(path: Path, layout: NpyLayout) -> np.ndarray:
+    if not path.is_file():
+        raise DataError(f"{path}: no such data file")
+    try:
+        array = np.load(path, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as err:
+        raise DataError(f"{path}: not a readable .npy file ({err})") from None
+    if not isinstance(array, np.ndarray):
+        raise DataError(f"{path}: not a single array")
+    if layout == "DHWC" and array.ndim == 4:
+        return array.transpose(3, 0, 1, 2)  # a strided CDHW view: no copy
+    return array
+
+
+def _check(array: Any, path: Path, what: str, channels: int, layout: str | None) -> None:
+    """``layout``: the npy_layout the config declared (None for HDF5, always channels first)."""
+    if array.ndim != 4 or len(set(array.shape[1:])) != 1:
+        shape = tuple(array.shape) if layout != "DHWC" else tuple(array.shape[1:]) + (array.shape[0],)
+        expected = "(L, L, L, channels)" if layout == "DHWC" else "(channels, L, L, L)"
+        declared = f" as npy_layout {layout} declares" if layout else ""
+        raise DataError(f"{path}: {what} has shape {shape}, expected {expected}{declared}")
+    if array.shape[0] != channels:
+        raise DataError(f"{path}: {what} has {array.shape[0]} channels, the model expects {channels}")
+    if not np.issubdtype(array.dtype, np.floating):
+        raise DataError(f"{path}: {what} holds {array.dtype}, expected floating point")
+
+
 @dataclass
 class VolumePair:
-    """The input (``Nbody``) and target (``Hydro``) volumes of one file, each (C, L, L, L).
+    """Input and target volumes of one split, each a (C, L, L, L) array-like.
 
-    With ``storage="host"`` both are numpy arrays read once (the reference's 'inmem'); with
-    ``"lazy"`` they are h5py datasets and every crop is a read from the file ('lowmem'). Both
-    slice the same way, so the code that cuts crops does not care which it has.
+    ``open`` keeps them on disk (h5py datasets or memory maps: each crop is a read); ``load`` reads
+    them into memory once, as contiguous float32 arrays.
     """
 
-    path: Path
-    nbody: np.ndarray | h5py.Dataset
-    hydro: np.ndarray | h5py.Dataset
-    storage: Storage
+    files: VolumeFiles
+    nbody: Any
+    hydro: Any
 
     @property
     def box_size(self) -> int:
         return int(self.nbody.shape[1])
 
-    @classmethod
-    def open(cls, path: str | Path, in_channels: int, out_channels: int, crop_size: int, storage: Storage) -> VolumePair:
-        path = Path(path)
-        if not path.is_file():
-            raise DataError(f"{path}: no such data file")
-        try:
-            f = h5py.File(path, "r")
-        except OSError as err:
-            raise DataError(f"{path}: not a readable HDF5 file ({err})") from None
-        datasets = {}
-        for name, channels in ((NBODY_DATASET, in_channels), (HYDRO_DATASET, out_channels)):
-            if name not in f:
-                raise DataError(f"{path}: no dataset '{name}' (found: {sorted(f.keys())})")
-            ds = f[name]
-            if ds.ndim != 4 or len(set(ds.shape[1:])) != 1:
-                raise DataError(f"{path}: dataset '{name}' has shape {ds.shape}, expected (channels, L, L, L)")
-            if ds.shape[0] != channels:
-                raise DataError(f"{path}: dataset '{name}' has {ds.shape[0]} channels, the model expects {channels}")
-            if not np.issubdtype(ds.dtype, np.floating):
-                raise DataError(f"{path}: dataset '{name}' holds {ds.dtype}, expected floating point")
-            datasets[name] = ds
-        if datasets[NBODY_DATASET].shape[1:] != datasets[HYDRO_DATASET].shape[1:]:
-            raise DataError(
-                f"{path}: '{NBODY_DATASET}' {datasets[NBODY_DATASET].shape} and "
-                f"'{HYDRO_DATASET}' {datasets[HYDRO_DATASET].shape} cover different boxes"
-            )
-        box = datasets[NBODY_DATASET].shape[1]
-        if crop_size > box:
-            raise DataError(f"{path}: crop size {crop_size} is larger than the box ({box}^3)")
-        if storage == "host":
-            arrays = {name: ds[...].astype(np.float32, copy=False) for name, ds in datasets.items()}
-            f.close()
-            return cls(path, arrays[NBODY_DATASET], arrays[HYDRO_DATASET], storage)
-        return cls(path, datasets[NBODY_DATASET], datasets[HYDRO_DATASET], storage)
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both volumes as float32."""
+        return 4 * (int(np.prod(self.nbody.shape)) + int(np.prod(self.hydro.shape)))
 
-    def crop(self, corner: tuple[int, int, int], size: int) -> tuple[np.ndarray, np.ndarray]:
-        """The (input, target) crop of ``size``^3 voxels at ``corner``, as contiguous float32 arrays."""
-        x, y, z = corner
-        window = np.s_[:, x : x + size, y : y + size, z : z + size]
-        return (
-            np.ascontiguousarray(self.nbody[window], dtype=np.float32),
-            np.ascontiguousarray(self.hydro[window], dtype=np.float32),
-        )
+    @classmethod
+    def open(cls, files: VolumeFiles, in_channels: int, out_channels: int, crop_size: int) -> VolumePair:
+        if files.format == "hdf5":
+            nbody, hydro = _open_hdf5(files.inputs, NBODY_DATASET), _open_hdf5(files.targets, HYDRO_DATASET)
+            names = (f"dataset '{NBODY_DATASET}'", f"dataset '{HYDRO_DATASET}'")
+            layout = None
+        else:
+            nbody, hydro = _open_npy(files.inputs, files.npy_layout), _open_npy(files.targets, files.npy_layout)
+            names = ("the input array", "the target array")
+            layout = files.npy_layout
+        _check(nbody, files.inputs, names[0], in_channels, layout)
+        _check(hydro, files.targets, names[1], out_channels, layout)
+        if nbody.shape[1:] != hydro.shape[1:]:
+            raise DataError(
+                f"{files.inputs}: inputs {tuple(nbody.shape)} and targets {tuple(hydro.shape)} cover different boxes"
+            )
+        if crop_size > nbody.shape[1]:
+            raise DataError(f"{files.inputs}: crop size {crop_size} is larger than the box ({nbody.shape[1]}^3)")
+        return cls(files, nbody, hydro)
+
+    def load(self) -> VolumePair:
+        """The same volumes read into memory as contiguous float32 CDHW arrays."""
+        return VolumePair(self.files, _to_memory(self.nbody), _to_memory(self.hydro))
+
+    def read_crop(self, corner: tuple[int, int, int], size: int, inp: np.ndarray, tar: np.ndarray) -> None:
+        """Copy the crop of ``size``^3 at ``corner`` into ``inp`` and ``tar`` as it is."""
+        window = _window(corner, size)
+        for volume, out in ((self.nbody, inp), (self.hydro, tar)):
+            if isinstance(volume, h5py.Dataset) and volume.dtype == np.float32:
+                volume.read_direct(out, window)
+            else:
+                np.copyto(out, volume[window])
+
+    def cut(
+        self,
+        corner: tuple[int, int, int],
+        size: int,
+        rot: Rotation,
+        groups: tuple[VectorGroups, VectorGroups],
+        inp: np.ndarray,
+        tar: np.ndarray,
+    ) -> None:
+        """Cut the crop at ``corner`` rotated by ``rot`` into ``inp`` and ``tar``: one copy from memory."""
+        window = _window(corner, size)
+        for volume, vectors, out in ((self.nbody, groups[0], inp), (self.hydro, groups[1], tar)):
+            crop = volume[window]  # a view of an in-memory array; a read for h5py datasets
+            rotate_into(crop, rot, vectors, out)
+
+
+def _window(corner: tuple[int, int, int], size: int) -> tuple[slice, ...]:
+    x, y, z = corner
+    return np.s_[:, x : x + size, y : y + size, z : z + size]
+
+
+def _to_memory(volume: Any) -> np.ndarray:
+    if isinstance(volume, h5py.Dataset):
+        return volume[...].astype(np.float32, copy=False)
+    return np.ascontiguousarray(volume, dtype=np.float32)

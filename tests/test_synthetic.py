@@ -85,6 +85,7 @@ def test_written_file_has_reference_layout_and_attributes(tmp_path):
         nbody = f["Nbody"][...]
     assert np.array_equal(nbody, generate_box(SPEC, 32, seed=5)[0])
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+    assert path.stat().st_mode & 0o044  # readable by others, as the umask allows
 
 
 def test_ensure_box_reuses_a_matching_file_and_refuses_another(tmp_path):
