@@ -1,67 +1,80 @@
-"""DALI pipelines: crops from an external source, rotated on the training device.
+"""DALI pipelines: batches from an external source, cut and rotated on the training device.
 
-The graph reads like the recipe: take a crop, move it to the device, rotate it (inputs and targets
-alike, vector channels turned with the volume), cast the input to the dtype the engine trains in.
-Targets stay float32, the precision of the loss: float16 would round them by up to 2.4e-4, a
-visible share of a converged L1 of about 5e-3. The same graph runs on the CPU (``device_id=None``)
-and on a GPU; only where the data lives differs.
+The graph reads like the recipe: take the crops (from the CPU batcher, or cut here from volumes
+resident on the device), rotate them unless the batcher already did (inputs and targets alike,
+vector channels turned with the volume), cast the input to the dtype the engine trains in. Targets
+stay float32, the precision of the loss: float16 would round them by up to 2.4e-4, a visible share
+of a converged L1 of about 5e-3. The same graph runs on the CPU (``device_id=None``) and on a GPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
+from pipeline.crops import CropBatcher
 from pipeline.rotations import AXIS_PERMUTATIONS, VectorGroups, channel_order
-from pipeline.sampling import Augmenter, SampleDraw
-from pipeline.volumes import VolumePair
-
-DrawFn = Callable[[int, int], SampleDraw]  # (epoch, index in epoch) -> draw
+from pipeline.sampling import Augmenter, DrawPlan, SampleDraw
 
 # DALI has no bfloat16: such batches leave the pipeline as float32 and are cast by torch.
 _DALI_DTYPES = {torch.float32: types.FLOAT, torch.float16: types.FLOAT16, torch.bfloat16: types.FLOAT}
 
 
-class CropSource:
-    """Per-sample callback of ``fn.external_source``: the crop (and rotation arguments) of one sample.
+def rotation_arrays(draws: list[SampleDraw], augmenter: Augmenter) -> tuple[np.ndarray, ...]:
+    """Per-sample rotation arguments of a batch: axis-order index, flips, input and target signs."""
+    args = [augmenter.args(d) for d in draws]
+    return (
+        np.array([a.perm_index for a, _ in args], dtype=np.int32),
+        np.stack([a.flips for a, _ in args]),
+        np.stack([a.sign for a, _ in args]),
+        np.stack([b.sign for _, b in args]),
+    )
 
-    An epoch is ``num_samples`` samples; asking for more raises StopIteration, which ends DALI's
-    epoch. Epoch numbers count from ``first_epoch`` so that a resumed run replays the same draws.
+
+class _BatcherFeed:
+    """External-source callback: the batcher's batch for DALI's (epoch, iteration)."""
+
+    def __init__(self, batcher: CropBatcher, first_epoch: int) -> None:
+        self.batcher, self.first_epoch = batcher, first_epoch
+
+    def __call__(self, info: Any) -> tuple[np.ndarray, ...]:  # info: nvidia.dali.types.BatchInfo
+        if info.iteration >= self.batcher.plan.num_batches:
+            raise StopIteration
+        batch = self.batcher.get(self.first_epoch + info.epoch_idx, info.iteration)
+        if batch.rotated:
+            return batch.inp, batch.tar
+        return (batch.inp, batch.tar, *rotation_arrays(batch.draws, self.batcher.augmenter))
+
+
+class _ResidentFeed:
+    """External-source callbacks for volumes resident on the device: the volumes, and where to cut.
+
+    ``volumes`` returns the same two (C, L, L, L) buffers once per sample; DALI references them
+    without copying (``no_copy``), and ``fn.slice`` cuts each sample's crop on the device.
     """
 
-    def __init__(
-        self,
-        volumes: VolumePair,
-        crop_size: int,
-        num_samples: int,
-        draw: DrawFn,
-        augmenter: Augmenter | None,
-        first_epoch: int = 0,
-    ) -> None:
-        self.volumes = volumes
-        self.crop_size = crop_size
-        self.num_samples = num_samples
-        self.draw = draw
-        self.augmenter = augmenter
+    def __init__(self, nbody: Any, hydro: Any, plan: DrawPlan, augmenter: Augmenter, first_epoch: int) -> None:
+        self.nbody, self.hydro, self.plan, self.augmenter = nbody, hydro, plan, augmenter
         self.first_epoch = first_epoch
 
-    @property
-    def num_outputs(self) -> int:
-        return 2 if self.augmenter is None else 6
-
-    def __call__(self, info) -> tuple[np.ndarray, ...]:  # info: nvidia.dali.types.SampleInfo
-        if info.idx_in_epoch >= self.num_samples:
+    def _draws(self, info: Any) -> list[SampleDraw]:
+        if info.iteration >= self.plan.num_batches:
             raise StopIteration
-        draw = self.draw(self.first_epoch + info.epoch_idx, info.idx_in_epoch)
-        inp, tar = self.volumes.crop(draw.corner, self.crop_size)
-        if self.augmenter is None:
-            return inp, tar
-        args_in, args_out = self.augmenter.args(draw)
-        return inp, tar, np.int32(args_in.perm_index), args_in.flips, args_in.sign, args_out.sign
+        return self.plan.batch_draws(self.first_epoch + info.epoch_idx, info.iteration)
+
+    def volumes(self, info: Any) -> tuple[list[Any], list[Any]]:
+        n = len(self._draws(info))
+        return [self.nbody] * n, [self.hydro] * n
+
+    def cuts(self, info: Any) -> tuple[np.ndarray, ...]:
+        draws = self._draws(info)
+        anchors = np.array([d.corner for d in draws], dtype=np.int32)
+        return (anchors, *rotation_arrays(draws, self.augmenter))
 
 
 def _gather_channels(x, order: tuple[int, ...]):
@@ -78,7 +91,7 @@ def _gather_channels(x, order: tuple[int, ...]):
 
 
 def rotate(x, perm_index, flips, sign, num_channels: int, vectors: VectorGroups):
-    """Rotate a CDHW DataNode as ``pipeline.rotations.rotate_volume`` does, exactly.
+    """Rotate a CDHW DataNode as ``pipeline.rotations.rotate_into`` does, exactly.
 
     ``fn.transpose`` takes no per-sample permutation, so each of the six axis orders is a branch
     (DALI conditionals split the batch by ``perm_index``); its channel reorder is static within the
@@ -96,20 +109,29 @@ def rotate(x, perm_index, flips, sign, num_channels: int, vectors: VectorGroups)
 
 
 @pipeline_def(enable_conditionals=True)
-def _graph(source: CropSource, on_gpu: bool, dtype: types.DALIDataType):
-    outputs = fn.external_source(
-        source, num_outputs=source.num_outputs, batch=False, layout=["CDHW", "CDHW"] + [""] * (source.num_outputs - 2)
-    )
-    if on_gpu:
-        outputs = [node.gpu() for node in outputs[:2]] + list(outputs[2:])
-    inp, tar = outputs[:2]
-    if source.augmenter is not None:
-        perm_index, flips, sign_in, sign_out = outputs[2:]
+def _graph(feed: _BatcherFeed | _ResidentFeed, augmenter: Augmenter, crop_size: int, rotate_here: bool, on_gpu: bool, dtype):
+    device = "gpu" if on_gpu else "cpu"
+    if isinstance(feed, _ResidentFeed):
+        nbody, hydro = fn.external_source(
+            feed.volumes, num_outputs=2, batch=True, batch_info=True, no_copy=True, device=device, layout=["CDHW"] * 2
+        )
+        anchor, *args = fn.external_source(feed.cuts, num_outputs=5, batch=True, batch_info=True)
+        inp = fn.slice(nbody, anchor, [crop_size] * 3, axes=[1, 2, 3])
+        tar = fn.slice(hydro, anchor, [crop_size] * 3, axes=[1, 2, 3])
+    else:
+        num_outputs = 2 if feed.batcher.rotate_here else 6
+        inp, tar, *args = fn.external_source(
+            feed, num_outputs=num_outputs, batch=True, batch_info=True, no_copy=True,
+            layout=["CDHW", "CDHW"] + [""] * (num_outputs - 2),
+        )  # fmt: skip
+        if on_gpu:
+            inp, tar = inp.gpu(), tar.gpu()
+    if rotate_here:
+        perm_index, flips, sign_in, sign_out = args
         if on_gpu:
             sign_in, sign_out = sign_in.gpu(), sign_out.gpu()
-        aug = source.augmenter
-        inp = rotate(inp, perm_index, flips, sign_in, aug.in_channels, aug.in_vectors)
-        tar = rotate(tar, perm_index, flips, sign_out, aug.out_channels, aug.out_vectors)
+        inp = rotate(inp, perm_index, flips, sign_in, augmenter.in_channels, augmenter.in_vectors)
+        tar = rotate(tar, perm_index, flips, sign_out, augmenter.out_channels, augmenter.out_vectors)
     if dtype != types.FLOAT:
         inp = fn.cast(inp, dtype=dtype)
     return inp, tar
@@ -118,35 +140,52 @@ def _graph(source: CropSource, on_gpu: bool, dtype: types.DALIDataType):
 class DaliLoader:
     """Iterates over one epoch of (input, target) NCDHW torch tensors per ``for`` loop.
 
-    Inputs come in ``dtype`` (the engine's), targets in float32.
+    Inputs come in ``dtype`` (the engine's), targets in float32. Either ``batcher`` cuts the crops on
+    CPU threads, or ``resident`` = (inputs, targets) volumes already on the device are cut here. With
+    ``rotate_on_device`` the graph rotates; otherwise the batcher must have (``rotate_here``).
     """
 
     def __init__(
         self,
-        source: CropSource,
-        batch_size: int,
+        *,
+        plan: DrawPlan,
+        augmenter: Augmenter,
         device_id: int | None,
         dtype: torch.dtype,
-        num_threads: int,
+        rotate_on_device: bool,
+        batcher: CropBatcher | None = None,
+        resident: tuple[Any, Any] | None = None,
+        first_epoch: int = 0,
     ) -> None:
-        if source.num_samples % batch_size:
-            raise ValueError(f"{source.num_samples} samples per epoch is not a multiple of the batch size {batch_size}")
-        self.batches_per_epoch = source.num_samples // batch_size
+        if (batcher is None) == (resident is None):
+            raise ValueError("DaliLoader takes a batcher or resident volumes, not both")
+        if batcher is not None:
+            if batcher.rotate_here == rotate_on_device and plan.rotate:
+                raise ValueError("exactly one of the batcher and the device must rotate")
+            feed: _BatcherFeed | _ResidentFeed = _BatcherFeed(batcher, first_epoch)
+        else:
+            feed = _ResidentFeed(*resident, plan, augmenter, first_epoch)
+        self.batcher = batcher
+        self.num_batches = plan.num_batches
         self.dtype = dtype
         pipe = _graph(
-            source=source,
+            feed=feed,
+            augmenter=augmenter,
+            crop_size=plan.crop_size,
+            rotate_here=rotate_on_device and plan.rotate,
             on_gpu=device_id is not None,
             dtype=_DALI_DTYPES[dtype],
-            batch_size=batch_size,
-            num_threads=num_threads,
+            batch_size=plan.batch_size,
+            num_threads=1,  # the graph's CPU work is bookkeeping: crops are cut by the batcher or on the GPU
             device_id=device_id,
-            seed=0,  # the graph draws nothing itself; all randomness comes from the source
+            prefetch_queue_depth=1,  # the batcher already works ahead
+            seed=0,  # the graph draws nothing itself: all randomness comes from the plan
         )
-        # The epoch ends when the source raises StopIteration; auto_reset starts the next one.
+        # The epoch ends when the feed raises StopIteration; auto_reset starts the next one.
         self._iterator = DALIGenericIterator([pipe], ["inp", "tar"], auto_reset=True)
 
     def __len__(self) -> int:
-        return self.batches_per_epoch
+        return self.num_batches
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for batch in self._iterator:

@@ -1,84 +1,176 @@
-"""The DALI pipeline against the numpy reference, voxel for voxel, and the properties of the draws."""
+"""Every backend, storage mode and format against the numpy reference, voxel for voxel.
 
+The GPU paths (rotation by DALI operators or torch ops, crops cut from resident volumes) are the
+same code on the CPU, so they run here with CPU data; bench/gpu_check.sh runs them on a GPU.
+"""
+
+from dataclasses import dataclass
+
+import h5py
 import numpy as np
 import pytest
 import torch
 
-from pipeline.dali import CropSource, DaliLoader
+from pipeline.crops import CropBatcher
+from pipeline.dali import DaliLoader
+from pipeline.loaders import LoaderSettings, build_loader, effective_storage
 from pipeline.rotations import ROTATIONS
-from pipeline.sampling import Augmenter, SampleDraw, train_draw, val_draw
-from pipeline.volumes import DataError, VolumePair
+from pipeline.sampling import Augmenter, DrawPlan, SampleDraw, train_draw, val_draw
+from pipeline.torch_backend import TorchLoader
+from pipeline.volumes import DataError, VolumeFiles, VolumePair
 
 CROP = 8
 AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class EveryRotation(DrawPlan):
+    """Cycles through all 24 rotations, with corners that differ per epoch and sample."""
+
+    def batch_draws(self, epoch, batch):
+        start = batch * self.batch_size
+        return [
+            SampleDraw(((i * 5 + epoch) % 20, (i * 3) % 24, (i * 7 + 2 * epoch) % 24), i % 24)
+            for i in range(start, min(start + self.batch_size, self.num_samples))
+        ]
+
+
+def _plan(num_samples=48, batch_size=8, cls=EveryRotation, **kw):
+    return cls(seed=0, num_samples=num_samples, batch_size=batch_size, box_size=32, crop_size=CROP, rotate=True, **kw)
 
 
 @pytest.fixture(scope="module")
 def volumes(tiny_data):
-    return VolumePair.open(tiny_data["train"], 4, 5, CROP, "host")
+    return VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP).load()
 
 
-def _every_rotation(epoch: int, index: int) -> SampleDraw:
-    """Cycles through all 24 rotations, with corners that differ per epoch and sample."""
-    return SampleDraw(((index * 5 + epoch) % 20, (index * 3) % 24, (index * 7 + 2 * epoch) % 24), index % 24)
-
-
-def _batches(loader):
+def _epoch(loader):
     return [(inp.clone(), tar.clone()) for inp, tar in loader]
 
 
-def test_dali_equals_numpy_reference_for_all_rotations_and_epochs(volumes):
-    batch = 8
-    loader = DaliLoader(CropSource(volumes, CROP, 48, _every_rotation, AUG), batch, None, torch.float32, 1)
-    for epoch in range(2):
-        batches = _batches(loader)
-        assert len(batches) == len(loader) == 6
+def _check_against_reference(loader, plan, volumes, epochs=2):
+    for epoch in range(epochs):
+        batches = _epoch(loader)
+        assert len(batches) == len(loader) == plan.num_batches
         for b, (inp, tar) in enumerate(batches):
-            assert inp.shape == (batch, 4, CROP, CROP, CROP) and tar.shape == (batch, 5, CROP, CROP, CROP)
-            for j in range(batch):
-                ref_inp, ref_tar = AUG.reference(volumes, _every_rotation(epoch, b * batch + j), CROP)
-                assert np.array_equal(inp[j].numpy(), ref_inp)
-                assert np.array_equal(tar[j].numpy(), ref_tar)
+            draws = plan.batch_draws(epoch, b)
+            assert inp.shape == (len(draws), 4, CROP, CROP, CROP) and tar.shape == (len(draws), 5, CROP, CROP, CROP)
+            for j, draw in enumerate(draws):
+                ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
+                assert np.array_equal(inp[j].numpy(), ref_inp), (epoch, b, j, draw)
+                assert np.array_equal(tar[j].numpy(), ref_tar), (epoch, b, j, draw)
 
 
-def test_general_vector_layouts_match_reference(tiny_data):
-    # Six target channels read as two vectors (one with components out of order): still the reference.
-    vols = VolumePair.open(tiny_data["train"], 4, 5, CROP, "host")
+def _batcher(volumes, plan, rotate_here, hold=2):
+    return CropBatcher(volumes, plan, AUG, rotate_here=rotate_here, threads=2, lookahead=2, hold=hold)
+
+
+# The CPU path: the batcher rotates while cutting (the reference code itself), DALI or torch deliver.
+def test_dali_with_rotating_batcher(volumes):
+    plan = _plan()
+    loader = DaliLoader(plan=plan, augmenter=AUG, device_id=None, dtype=torch.float32, rotate_on_device=False, batcher=_batcher(volumes, plan, True))
+    _check_against_reference(loader, plan, volumes)
+
+
+# The GPU paths, run on the CPU: DALI operators rotate crops from the batcher, or cut them from resident volumes.
+def test_dali_graph_rotation_equals_reference_for_all_24(volumes):
+    plan = _plan()
+    loader = DaliLoader(plan=plan, augmenter=AUG, device_id=None, dtype=torch.float32, rotate_on_device=True, batcher=_batcher(volumes, plan, False))
+    _check_against_reference(loader, plan, volumes)
+
+
+def test_dali_resident_volumes_cut_and_rotate(volumes):
+    plan = _plan()
+    loader = DaliLoader(plan=plan, augmenter=AUG, device_id=None, dtype=torch.float32, rotate_on_device=True, resident=(volumes.nbody, volumes.hydro))
+    _check_against_reference(loader, plan, volumes)
+
+
+def test_torch_backend_paths(volumes):
+    plan = _plan()
+    for kwargs in (
+        dict(rotate_on_device=False, batcher=_batcher(volumes, plan, True, hold=1)),
+        dict(rotate_on_device=True, batcher=_batcher(volumes, plan, False, hold=1)),
+        dict(rotate_on_device=True, resident=(torch.from_numpy(volumes.nbody), torch.from_numpy(volumes.hydro))),
+    ):
+        loader = TorchLoader(plan=plan, augmenter=AUG, device=CPU, dtype=torch.float32, **kwargs)
+        _check_against_reference(loader, plan, volumes)
+
+
+def test_general_vector_layouts(volumes):
+    # Five input channels (the fifth scalar) and targets whose vector components are stored out of order.
     aug = Augmenter(5, 5, [[1, 2, 3]], [[3, 1, 2]])
-    vols.nbody = np.concatenate([vols.nbody, vols.hydro[4:]])  # a fifth input channel, scalar
-
-    loader = DaliLoader(CropSource(vols, CROP, 24, _every_rotation, aug), 24, None, torch.float32, 1)
-    ((inp, tar),) = _batches(loader)
-    for j in range(24):
-        ref_inp, ref_tar = aug.reference(vols, _every_rotation(0, j), CROP)
+    vols = VolumePair(volumes.files, np.concatenate([volumes.nbody, volumes.hydro[4:]]), volumes.hydro)
+    plan = _plan(num_samples=24, batch_size=24)
+    batcher = CropBatcher(vols, plan, aug, rotate_here=False, threads=1, lookahead=1, hold=2)
+    loader = DaliLoader(plan=plan, augmenter=aug, device_id=None, dtype=torch.float32, rotate_on_device=True, batcher=batcher)
+    ((inp, tar),) = _epoch(loader)
+    for j, draw in enumerate(plan.batch_draws(0, 0)):
+        ref_inp, ref_tar = aug.reference(vols, draw, CROP)
         assert np.array_equal(inp[j].numpy(), ref_inp) and np.array_equal(tar[j].numpy(), ref_tar)
 
 
+@pytest.mark.parametrize("backend", ["dali", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_output_in_training_dtype(volumes, dtype):
-    loader = DaliLoader(CropSource(volumes, CROP, 8, _every_rotation, AUG), 8, None, dtype, 1)
-    ((inp, tar),) = _batches(loader)
-    assert inp.dtype == dtype and inp.is_contiguous()
-    assert tar.dtype == torch.float32  # the loss's precision
-    ref_inp, ref_tar = AUG.reference(volumes, _every_rotation(0, 3), CROP)
-    assert torch.equal(inp[3], torch.from_numpy(ref_inp).to(dtype))
-    assert torch.equal(tar[3], torch.from_numpy(ref_tar))
+def test_inputs_in_training_dtype_targets_in_float32(volumes, backend, dtype):
+    plan = _plan(num_samples=8)
+    settings = LoaderSettings(backend, "host", "float32", threads=1, lookahead=1)
+    loader = build_loader(volumes, plan, AUG, settings, "host", CPU, dtype)
+    ((inp, tar),) = _epoch(loader)
+    assert inp.dtype == dtype and inp.is_contiguous() and tar.dtype == torch.float32
+    ref_inp, ref_tar = AUG.reference(volumes, plan.batch_draws(0, 0)[3], CROP)
+    assert torch.equal(inp[3], torch.from_numpy(ref_inp).to(dtype)) and torch.equal(tar[3], torch.from_numpy(ref_tar))
 
 
-def test_validation_is_plain_crops(volumes):
-    draw = lambda epoch, index: val_draw(0, index, volumes.box_size, CROP)  # noqa: E731
-    loader = DaliLoader(CropSource(volumes, CROP, 8, draw, augmenter=None), 4, None, torch.float32, 1)
-    for b, (inp, tar) in enumerate(_batches(loader)):
-        for j in range(4):
-            ref_inp, ref_tar = volumes.crop(draw(0, b * 4 + j).corner, CROP)
-            assert np.array_equal(inp[j].numpy(), ref_inp) and np.array_equal(tar[j].numpy(), ref_tar)
+def _npy_files(tmp_path, volumes, layout):
+    paths = []
+    for name, volume in (("data", volumes.nbody), ("label", volumes.hydro)):
+        path = tmp_path / f"{name}_{layout}.npy"
+        np.save(path, volume if layout == "CDHW" else np.ascontiguousarray(volume.transpose(1, 2, 3, 0)))
+        paths.append(path)
+    return VolumeFiles.npy(*paths, layout)
 
 
-def test_lazy_storage_reads_the_same_crops(tiny_data, volumes):
-    lazy = VolumePair.open(tiny_data["train"], 4, 5, CROP, "lazy")
-    for corner in ((0, 0, 0), (24, 3, 17)):
-        for a, b in zip(lazy.crop(corner, CROP), volumes.crop(corner, CROP)):
-            assert np.array_equal(a, b)
+def test_storage_modes_formats_and_backends_give_the_same_samples(tmp_path, tiny_data, volumes):
+    plan = _plan(num_samples=20, batch_size=8, cls=DrawPlan)  # real draws; a partial last batch
+    sources = {
+        "hdf5": VolumeFiles.hdf5(tiny_data["train"]),
+        "npy CDHW": _npy_files(tmp_path, volumes, "CDHW"),
+        "npy DHWC": _npy_files(tmp_path, volumes, "DHWC"),
+    }
+    results = {}
+    for fmt, files in sources.items():
+        opened = VolumePair.open(files, 4, 5, CROP)
+        for backend in ("dali", "torch"):
+            for storage in ("lazy", "host"):
+                settings = LoaderSettings(backend, storage, "float32", threads=2, lookahead=2)
+                loader = build_loader(opened, plan, AUG, settings, storage, CPU, torch.float32)
+                results[fmt, backend, storage] = [torch.cat(parts) for parts in zip(*_epoch(loader))]
+    reference = results["hdf5", "dali", "host"]
+    assert [len(t) for t in reference] == [20, 20]
+    for key, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, reference)), key
+    inp, _ = AUG.reference(volumes, plan.batch_draws(0, 2)[3], CROP)
+    assert np.array_equal(reference[0][19].numpy(), inp)
+
+
+def test_device_storage_falls_back_to_host_without_a_gpu(caplog):
+    assert effective_storage("device", "cpu") == "host"
+    assert "needs a GPU" in caplog.text
+    assert effective_storage("device", "cuda") == "device" and effective_storage("lazy", "cpu") == "lazy"
+
+
+def test_batcher_works_ahead_across_epochs_and_reports_errors(volumes):
+    plan = _plan(num_samples=16, batch_size=8)
+    batcher = _batcher(volumes, plan, True)
+    first = batcher.get(0, 0)
+    assert len(first.draws) == 8 and first.rotated
+    assert set(batcher._pending) == {(0, 1), (1, 0)}  # the rest of the epoch and the next one's start
+    assert batcher.get(5, 1).draws == plan.batch_draws(5, 1)  # a jump is served too
+    bad = CropBatcher(volumes, _plan(num_samples=8, batch_size=8, cls=DrawPlan, validation=True), AUG, True, 1)
+    bad.volumes = VolumePair(volumes.files, volumes.nbody[:, :4], volumes.hydro)  # crops out of range
+    with pytest.raises(ValueError):
+        bad.get(0, 0)
 
 
 def test_draws_are_deterministic_and_differ_by_rank_and_epoch():
@@ -92,13 +184,9 @@ def test_draws_are_deterministic_and_differ_by_rank_and_epoch():
     assert corners.min() >= 0 and corners.max() <= 128 - 32
     assert len({d.rotation for d in draws(10, 0) + draws(10, 1) + draws(10, 2)}) == len(ROTATIONS)
     assert {d.rotation for d in (train_draw(10, 0, i, 64, 32, False) for i in range(32))} == {0}
-    # Validation crops are one fixed set, whatever the rank.
-    assert [val_draw(0, i, 64, 32) for i in range(8)] == [val_draw(0, i, 64, 32) for i in range(8)]
-
-
-def test_epoch_length_must_fill_batches(volumes):
-    with pytest.raises(ValueError, match="not a multiple of the batch size"):
-        DaliLoader(CropSource(volumes, CROP, 10, _every_rotation, AUG), 4, None, torch.float32, 1)
+    # Validation crops are one fixed set, whatever the rank; a rank's plan takes its own slice of it.
+    plan = DrawPlan(seed=0, num_samples=4, batch_size=4, box_size=64, crop_size=32, rotate=False, validation=True, first_index=4)
+    assert plan.batch_draws(0, 0) == plan.batch_draws(3, 0) == [val_draw(0, i, 64, 32) for i in range(4, 8)]
 
 
 @pytest.mark.parametrize(
@@ -111,8 +199,7 @@ def test_epoch_length_must_fill_batches(volumes):
         (lambda f: (f.__delitem__("Nbody"), f.create_dataset("Nbody", data=np.zeros((4, 16, 16, 16), np.float32))), "cover different boxes"),
     ],
 )  # fmt: skip
-def test_bad_files_are_named(tmp_path, tiny_data, mutate, message):
-    import h5py
+def test_bad_hdf5_files_are_named(tmp_path, tiny_data, mutate, message):
     import shutil
 
     path = tmp_path / "bad.h5"
@@ -120,15 +207,47 @@ def test_bad_files_are_named(tmp_path, tiny_data, mutate, message):
     with h5py.File(path, "a") as f:
         mutate(f)
     with pytest.raises(DataError, match=message) as err:
-        VolumePair.open(path, 4, 5, CROP, "host")
+        VolumePair.open(VolumeFiles.hdf5(path), 4, 5, CROP)
     assert str(path) in str(err.value)
+
+
+def test_bad_npy_files_are_named(tmp_path, volumes):
+    files = _npy_files(tmp_path, volumes, "DHWC")
+    with pytest.raises(DataError, match="shape \\(32, 32, 32, 4\\), expected \\(channels, L, L, L\\) as npy_layout CDHW"):
+        VolumePair.open(VolumeFiles.npy(files.inputs, files.targets, "CDHW"), 4, 5, CROP)
+    with pytest.raises(DataError, match="label_DHWC.npy: the target array has 5 channels, the model expects 4"):
+        VolumePair.open(VolumeFiles.npy(files.targets, files.targets, "DHWC"), 5, 4, CROP)
+    truncated = tmp_path / "truncated.npy"
+    truncated.write_bytes(files.inputs.read_bytes()[:1000])
+    with pytest.raises(DataError, match="truncated.npy: not a readable .npy file"):
+        VolumePair.open(VolumeFiles.npy(truncated, files.targets, "DHWC"), 4, 5, CROP)
 
 
 def test_missing_corrupt_and_too_small(tmp_path, tiny_data):
     with pytest.raises(DataError, match="no such data file"):
-        VolumePair.open(tmp_path / "nope.h5", 4, 5, CROP, "host")
+        VolumePair.open(VolumeFiles.hdf5(tmp_path / "nope.h5"), 4, 5, CROP)
     (tmp_path / "junk.h5").write_bytes(b"not hdf5 at all")
     with pytest.raises(DataError, match="not a readable HDF5 file"):
-        VolumePair.open(tmp_path / "junk.h5", 4, 5, CROP, "host")
+        VolumePair.open(VolumeFiles.hdf5(tmp_path / "junk.h5"), 4, 5, CROP)
     with pytest.raises(DataError, match="larger than the box"):
-        VolumePair.open(tiny_data["val"], 4, 5, 64, "host")
+        VolumePair.open(VolumeFiles.hdf5(tiny_data["val"]), 4, 5, 64)
+
+
+@pytest.mark.parametrize("layout", ["CDHW", "DHWC"])
+def test_convert_writes_npy_the_npy_format_reads(tmp_path, tiny_data, volumes, layout):
+    from pipeline.convert import convert
+
+    data, label = convert(tiny_data["train"], tmp_path / "train", layout)
+    assert (data.name, label.name) == ("train_data.npy", "train_label.npy")
+    converted = VolumePair.open(VolumeFiles.npy(data, label, layout), 4, 5, CROP)
+    assert np.array_equal(converted.nbody, volumes.nbody) and np.array_equal(converted.hydro, volumes.hydro)
+
+
+def test_host_memory_that_cannot_fit_is_refused_before_loading(volumes, monkeypatch):
+    import pipeline.loaders as loaders
+
+    settings = LoaderSettings("dali", "host", "float32", 1, 1)
+    monkeypatch.setattr(loaders, "_available_host_bytes", lambda: volumes.nbytes * 3)
+    loaders.check_memory("host", [volumes], settings, local_ranks=2)  # fits: 2 copies
+    with pytest.raises(DataError, match="storage 'host' needs .* of host memory on this node"):
+        loaders.check_memory("host", [volumes], settings, local_ranks=4)
