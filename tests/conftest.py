@@ -19,7 +19,7 @@ TINY_SPEC = SyntheticSpec(train_box_size=32, val_box_size=32, seed=3)
 TINY_ARGS = [
     "--config", "debug", "--data_size", "16", "--unet_depth", "4", "--unet_width", "4",
     "--Nsamples", "128", "--Nsamples_val", "32", "--global_batch_size", "8", "--base_batch_size", "8",
-    "--log_every_steps", "4", "--dali_threads", "1",
+    "--log_every_steps", "4", "--num_data_workers", "1",
     "--synthetic", json.dumps({"train_box_size": 32, "val_box_size": 32, "seed": 3}),
     "--lr_schedule.start_lr", "1e-2",
 ]  # fmt: skip

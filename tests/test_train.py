@@ -46,12 +46,13 @@ def test_training_learns_and_leaves_a_complete_run_dir(straight):
     assert [r["step"] for r in valid] == [0, 16, 32, 48]
     assert valid[0]["loss/valid"] == summary["initial_val_loss"] and valid[-1]["loss/valid"] == summary["final_val_loss"]
     assert train[-1]["lr"] == 0.0  # the cosine reaches end_lr at the last step
+    assert all(0 <= r["data_wait_pct"] <= 100 for r in train) and 0 <= summary["data_wait_pct"] <= 100
 
     (events,) = (straight / "tensorboard").iterdir()
     acc = EventAccumulator(str(events.parent))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"loss/train", "loss/valid", "lr", "throughput/samples_per_s"} <= tags
+    assert {"loss/train", "loss/valid", "lr", "throughput/samples_per_s", "data_wait_pct"} <= tags
     assert [e.step for e in acc.Scalars("loss/valid")] == [0, 16, 32, 48]
 
     checkpoints = sorted(p.name for p in (straight / "checkpoints").iterdir())
@@ -70,6 +71,16 @@ def test_resume_continues_exactly(tmp_path, straight):
     assert (resumed["epochs"], resumed["steps"], resumed["resumed_from_epoch"]) == (3, 48, 2)
     assert resumed["initial_val_loss"] == expected["initial_val_loss"]
     assert resumed["final_val_loss"] == expected["final_val_loss"]  # bit for bit: same draws, same state
+
+
+def test_backends_and_storage_modes_train_identically(tmp_path, straight):
+    # Same draws, same samples, same model: a run through the torch backend reading crops lazily from the
+    # file ends bit for bit where the DALI backend with the volumes in memory does.
+    _ok(run_train(_args(tmp_path, tmp_path / "run", "--num_epochs", "3", "--backend", "torch", "--storage", "lazy")))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    expected = json.loads((straight / "summary.json").read_text())
+    assert (summary["backend"], summary["storage"], expected["backend"], expected["storage"]) == ("torch", "lazy", "dali", "host")
+    assert summary["final_val_loss"] == expected["final_val_loss"]
 
 
 def test_a_new_run_never_reuses_a_run_dir_with_checkpoints(straight, tmp_path):

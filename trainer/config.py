@@ -61,18 +61,34 @@ class Config:
     synthetic: Optional[SyntheticSpec] = _field(
         None, "if set, missing train/val files are generated from this synthetic spec on first use"
     )
-    storage: Literal["host", "lazy"] = _field(
-        "lazy", "host: load the volumes into memory (the reference's inmem); lazy: read each crop from the file (lowmem)"
+    data_format: Literal["hdf5", "npy"] = _field("hdf5", "hdf5: train_path/val_path; npy: the *_npy_data/*_npy_label files")
+    train_path_npy_data: str = _field("/data/downsamp_2048crop_train_data.npy", "training inputs as .npy (data_format npy)")
+    train_path_npy_label: str = _field("/data/downsamp_2048crop_train_label.npy", "training targets as .npy")
+    val_path_npy_data: str = _field("/data/downsamp_1024crop_valid_data.npy", "validation inputs as .npy")
+    val_path_npy_label: str = _field("/data/downsamp_1024crop_valid_label.npy", "validation targets as .npy")
+    npy_layout: Literal["CDHW", "DHWC"] = _field("CDHW", "axis order of the .npy volumes: channels first or last")
+    storage: Literal["lazy", "host", "device"] = _field(
+        "lazy",
+        "lazy: read each crop from the files (the reference's lowmem); host: load the volumes into memory (inmem); "
+        "device: load them into GPU memory and cut crops there (falls back to host without a GPU)",
     )
+    device_storage_dtype: Literal["float32", "float16"] = _field(
+        "float32", "precision of volumes kept on the GPU (storage device); float16 halves the footprint"
+    )
+    backend: Literal["dali", "torch"] = _field("dali", "dali: DALI pipelines; torch: the same samples with torch ops")
     data_size: int = _field(64, "side of the training crops in voxels")
     Nsamples: int = _field(65536, "training samples per epoch (over all ranks)")
     Nsamples_val: int = _field(8192, "validation samples per evaluation (over all ranks)")
+    last_batch: Literal["partial", "drop"] = _field(
+        "partial", "validation samples that do not fill a last batch: evaluate them in a smaller batch, or drop them"
+    )
     N_in_channels: int = _field(4, "input channels (dark-matter density, vx, vy, vz)")
     N_out_channels: int = _field(5, "output channels (gas density, vx, vy, vz, temperature)")
     input_vectors: list[list[int]] = _field([[1, 2, 3]], "input channels that form vectors (components along x, y, z)")
     target_vectors: list[list[int]] = _field([[1, 2, 3]], "target channels that form vectors")
     rotate: bool = _field(True, "apply one of the 24 rotations of the cube to each training sample")
-    dali_threads: int = _field(2, "DALI worker threads per rank")
+    num_data_workers: int = _field(2, "threads per rank cutting crops on the CPU")
+    data_prefetch: int = _field(2, "batches cut ahead of the one being trained on")
     # Model
     unet_width: int = _field(64, "channels of the first U-Net level (64 in the reference)")
     unet_depth: int = _field(6, "U-Net levels: 6 is the reference's full_scale: True, 5 its full_scale: False")
@@ -95,10 +111,14 @@ class Config:
 
     def validate(self) -> None:
         positive = ["data_size", "Nsamples", "Nsamples_val", "num_epochs", "global_batch_size", "base_batch_size",
-                    "unet_width", "dali_threads", "log_every_steps", "checkpoint_keep"]  # fmt: skip
+                    "unet_width", "num_data_workers", "log_every_steps", "checkpoint_keep"]  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.data_prefetch < 0:
+            raise ConfigError(f"data_prefetch must not be negative, got {self.data_prefetch}")
+        if self.synthetic is not None and self.data_format != "hdf5":
+            raise ConfigError("synthetic data is written as HDF5: use data_format hdf5 with a synthetic block")
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:
             raise ConfigError(f"micro_batch_size must be positive, got {self.micro_batch_size}")
         if self.data_size % 2**self.unet_depth:
@@ -125,10 +145,9 @@ RENAMED = {
     "enable_amp": "precision is set in the DeepSpeed JSON (deepspeed_config)",
     "enable_apex": "the optimizer is set in the DeepSpeed JSON (deepspeed_config)",
     "enable_jit": "no JIT switch yet",
-    "data_loader_config": "storage (inmem = host, lowmem = lazy); the loader is always DALI",
+    "data_loader_config": "storage (inmem = host, lowmem = lazy) and backend (dali or torch)",
     "box_size": "the box size is read from the data files",
     "expdir": "the --run_dir option",
-    "num_data_workers": "dali_threads",
 }
 
 

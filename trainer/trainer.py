@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import deepspeed
@@ -25,10 +26,10 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from model import UNet, unet_loss
-from pipeline.dali import CropSource, DaliLoader
-from pipeline.sampling import Augmenter, train_draw, val_draw
+from pipeline.loaders import LoaderSettings, build_loader, check_memory, effective_storage
+from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import ensure_box
-from pipeline.volumes import VolumePair
+from pipeline.volumes import VolumeFiles, VolumePair
 from trainer.config import Config, ConfigError, to_dict
 from trainer.dist import DistEnv
 from trainer.engine import (
@@ -60,7 +61,7 @@ def train_step(engine: Any, inp: torch.Tensor, tar: torch.Tensor, lambda_rho: fl
 
 
 @torch.no_grad()
-def evaluate(engine: Any, loader: DaliLoader, lambda_rho: float) -> float:
+def evaluate(engine: Any, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], lambda_rho: float) -> float:
     """Mean validation loss per sample over all ranks (one reduction of [sum, count])."""
     engine.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
@@ -113,6 +114,28 @@ def prepare_data(cfg: Config, dist: DistEnv) -> None:
     torch_dist.barrier()
 
 
+def volume_files(cfg: Config, split: str) -> VolumeFiles:
+    """Where the config says the ``split`` ('train' or 'val') volumes are."""
+    if cfg.data_format == "hdf5":
+        return VolumeFiles.hdf5(cfg.train_path if split == "train" else cfg.val_path)
+    if split == "train":
+        return VolumeFiles.npy(cfg.train_path_npy_data, cfg.train_path_npy_label, cfg.npy_layout)
+    return VolumeFiles.npy(cfg.val_path_npy_data, cfg.val_path_npy_label, cfg.npy_layout)
+
+
+def validation_share(num_samples: int, batch: int, last_batch: str, rank: int, world_size: int) -> tuple[int, int]:
+    """(first global index, count) of the validation samples that ``rank`` evaluates.
+
+    ``partial``: all samples, spread as evenly as the ranks allow (the last batch may be smaller);
+    ``drop``: only what fills whole batches on every rank.
+    """
+    if last_batch == "drop":
+        count = num_samples // world_size // batch * batch
+        return rank * count, count
+    base, extra = divmod(num_samples, world_size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
 def _device_name(device: Device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device.index)
@@ -134,6 +157,7 @@ class Interval:
     steps: int = 0
     loss_sum: torch.Tensor | None = None
     micro_steps: int = 0
+    data_wait_s: float = 0.0
 
     def add(self, loss: torch.Tensor) -> None:
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
@@ -155,11 +179,16 @@ class Trainer:
         self.stop_after_epoch = stop_after_epoch
         if device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // dist.local_world_size))
-        # Bad data is found before the engine is built, not after.
+        # Bad data, and data that cannot fit, are found before the engine is built, not after.
         self.train_volumes, self.val_volumes = (
-            VolumePair.open(path, cfg.N_in_channels, cfg.N_out_channels, cfg.data_size, cfg.storage)
-            for path in (cfg.train_path, cfg.val_path)
+            VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, cfg.data_size)
+            for split in ("train", "val")
         )
+        self.loader_settings = LoaderSettings(
+            cfg.backend, cfg.storage, cfg.device_storage_dtype, cfg.num_data_workers, cfg.data_prefetch
+        )
+        self.storage = effective_storage(cfg.storage, device.type)
+        check_memory(self.storage, [self.train_volumes, self.val_volumes], self.loader_settings, dist.local_world_size)
 
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size)
         self.steps_per_epoch = cfg.Nsamples // cfg.global_batch_size
@@ -216,46 +245,42 @@ class Trainer:
         log.info("resumed from %s after epoch %d (step %d)", path, client_state["epoch"], self.engine.global_steps)
         return int(client_state["epoch"]), float(client_state["initial_val_loss"])
 
-    def _build_loaders(self) -> tuple[DaliLoader, DaliLoader]:
+    def _build_loaders(self) -> tuple[Any, Any]:
         cfg, dist = self.cfg, self.dist
         micro = self.engine.train_micro_batch_size_per_gpu()
         accumulation = self.engine.gradient_accumulation_steps()
-        crop = cfg.data_size
-        train_volumes, val_volumes = self.train_volumes, self.val_volumes
         augmenter = Augmenter(cfg.N_in_channels, cfg.N_out_channels, cfg.input_vectors, cfg.target_vectors)
-        seed, box = cfg.seed + dist.rank, train_volumes.box_size
-
-        def draw_train(epoch: int, index: int):
-            return train_draw(seed, epoch, index, box, crop, cfg.rotate)
-
-        train_source = CropSource(
-            train_volumes,
-            crop,
+        train_plan = DrawPlan(
+            seed=cfg.seed + dist.rank,
             num_samples=self.steps_per_epoch * micro * accumulation,
-            draw=draw_train,
-            augmenter=augmenter if cfg.rotate else None,
-            first_epoch=self.start_epoch,
+            batch_size=micro,
+            box_size=self.train_volumes.box_size,
+            crop_size=cfg.data_size,
+            rotate=cfg.rotate,
         )
-
-        per_rank = cfg.Nsamples_val // dist.world_size // micro * micro
-        if per_rank == 0:
+        first, count = validation_share(cfg.Nsamples_val, micro, cfg.last_batch, dist.rank, dist.world_size)
+        if count == 0:
             raise ConfigError(
-                f"Nsamples_val {cfg.Nsamples_val} gives less than one batch of {micro} per rank on {dist.world_size} rank(s)"
+                f"Nsamples_val {cfg.Nsamples_val} leaves rank {dist.rank} no validation samples "
+                f"({dist.world_size} rank(s), batch {micro}, last_batch {cfg.last_batch})"
             )
-        if per_rank * dist.world_size != cfg.Nsamples_val:
-            log.warning(
-                "validating on %d samples: Nsamples_val %d is not a multiple of %d ranks x batch %d",
-                per_rank * dist.world_size, cfg.Nsamples_val, dist.world_size, micro,
-            )  # fmt: skip
-        val_box, first_index = val_volumes.box_size, dist.rank * per_rank
-
-        def draw_val(epoch: int, index: int):
-            return val_draw(cfg.seed, first_index + index, val_box, crop)
-
-        val_source = CropSource(val_volumes, crop, num_samples=per_rank, draw=draw_val, augmenter=None)
+        if cfg.last_batch == "drop" and count * dist.world_size != cfg.Nsamples_val:
+            log.warning("validating on %d of %d samples (last_batch: drop)", count * dist.world_size, cfg.Nsamples_val)
+        val_plan = DrawPlan(
+            seed=cfg.seed,
+            num_samples=count,
+            batch_size=micro,
+            box_size=self.val_volumes.box_size,
+            crop_size=cfg.data_size,
+            rotate=False,
+            validation=True,
+            first_index=first,
+        )
+        device = torch.device(self.device.type, self.device.index)
+        common = dict(augmenter=augmenter, settings=self.loader_settings, storage=self.storage, device=device, dtype=self.dtype)
         return (
-            DaliLoader(train_source, micro, self.device.index, self.dtype, cfg.dali_threads),
-            DaliLoader(val_source, micro, self.device.index, self.dtype, cfg.dali_threads),
+            build_loader(self.train_volumes, train_plan, first_epoch=self.start_epoch, **common),
+            build_loader(self.val_volumes, val_plan, **common),
         )
 
     def _client_state(self, epoch: int) -> dict[str, Any]:
@@ -283,19 +308,19 @@ class Trainer:
             self.runlog.write(0, epoch=0, **{"loss/valid": self.initial_val_loss})
             log.info("initial validation loss %.5f", self.initial_val_loss)
 
-        throughputs: list[float] = []
+        intervals: list[dict[str, float]] = []
         val_loss = self.initial_val_loss
         show_bar = self.dist.is_main and sys.stderr.isatty()
         with logging_redirect_tqdm():  # log lines print above the progress bar
             for epoch in range(self.start_epoch, last_epoch):
-                self._train_epoch(epoch, throughputs, show_bar)
+                self._train_epoch(epoch, intervals, show_bar)
                 val_loss = evaluate(engine, self.val_loader, cfg.lambda_rho)
                 self.runlog.write(engine.global_steps, epoch=epoch + 1, **{"loss/valid": val_loss})
                 log.info("epoch %d/%d: validation loss %.5f", epoch + 1, cfg.num_epochs, val_loss)
                 save_checkpoint(engine, self.run_dir, epoch + 1, self._client_state(epoch + 1), cfg.checkpoint_keep)
 
         # The first interval holds start-up work (kernel selection, first batches): not a rate.
-        rates = throughputs[1:] or throughputs
+        measured = intervals[1:] or intervals
         summary = {
             "config": self.name,
             "initial_val_loss": self.initial_val_loss,
@@ -306,10 +331,13 @@ class Trainer:
             "steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps,
             "wall_s": round(time.perf_counter() - wall_start, 3),
-            "samples_per_s": statistics.median(rates) if rates else None,
+            "samples_per_s": statistics.median(m["throughput/samples_per_s"] for m in measured) if measured else None,
+            "data_wait_pct": statistics.median(m["data_wait_pct"] for m in measured) if measured else None,
             "world_size": self.dist.world_size,
             "device": _device_name(self.device),
             "precision": precision_name(self.dtype),
+            "storage": self.storage,
+            "backend": self.cfg.backend,
             "parameters": self.num_parameters,
         }
         if self.dist.is_main:
@@ -318,11 +346,18 @@ class Trainer:
         log.info("done: validation loss %.5f -> %.5f in %.1f s", self.initial_val_loss, val_loss, summary["wall_s"])
         return summary
 
-    def _train_epoch(self, epoch: int, throughputs: list[float], show_bar: bool) -> None:
+    def _train_epoch(self, epoch: int, intervals: list[dict[str, float]], show_bar: bool) -> None:
         cfg, engine = self.cfg, self.engine
         bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}/{cfg.num_epochs}", disable=not show_bar, leave=False)
         interval = Interval(time.perf_counter())
-        for inp, tar in self.train_loader:
+        batches = iter(self.train_loader)
+        while True:
+            wait_start = time.perf_counter()  # time blocked on the pipeline: what it costs the step
+            try:
+                inp, tar = next(batches)
+            except StopIteration:
+                break
+            interval.data_wait_s += time.perf_counter() - wait_start
             step_before = engine.global_steps
             interval.add(train_step(engine, inp, tar, cfg.lambda_rho))
             if engine.global_steps == step_before:
@@ -331,26 +366,33 @@ class Trainer:
             bar.update(1)
             steps_in_epoch = engine.global_steps - epoch * self.steps_per_epoch
             if engine.global_steps % cfg.log_every_steps == 0 or steps_in_epoch == self.steps_per_epoch:
-                throughputs.append(self._log_interval(epoch, interval, bar))
+                intervals.append(self._log_interval(epoch, interval, bar))
                 interval = Interval(time.perf_counter())
         bar.close()
 
-    def _log_interval(self, epoch: int, interval: Interval, bar: tqdm) -> float:
+    def _log_interval(self, epoch: int, interval: Interval, bar: tqdm) -> dict[str, float]:
         engine = self.engine
         loss = self._reduce_mean(interval)  # synchronizes the device: the rate below is honest
         elapsed = time.perf_counter() - interval.start
         rate = interval.steps * self.cfg.global_batch_size / elapsed
         lr = self.schedule.lr_at(self.schedule.steps_taken)  # what the last step used
-        values = {"loss/train": loss, "lr": lr, "throughput/samples_per_s": rate, "loss_scale": loss_scale(engine)}
+        values = {
+            "loss/train": loss,
+            "lr": lr,
+            "throughput/samples_per_s": rate,
+            "data_wait_pct": 100 * interval.data_wait_s / elapsed,
+            "loss_scale": loss_scale(engine),
+        }
         self.runlog.write(
             engine.global_steps, epoch=epoch + 1, samples=engine.global_steps * self.cfg.global_batch_size,
             **{k: v for k, v in values.items() if v is not None},
         )  # fmt: skip
         bar.set_postfix(loss=f"{loss:.4f}", rate=f"{rate:.0f}/s")
         log.info(
-            "epoch %d step %d: loss %.5f, lr %.3g, %.1f samples/s", epoch + 1, engine.global_steps, loss, lr, rate
-        )
-        return rate
+            "epoch %d step %d: loss %.5f, lr %.3g, %.1f samples/s, %.0f%% waiting for data",
+            epoch + 1, engine.global_steps, loss, lr, rate, values["data_wait_pct"],
+        )  # fmt: skip
+        return values
 
 
 def write_resolved_config(run_dir: Path, name: str, cfg: Config, ds_config: dict[str, Any], dist: DistEnv) -> None:
