@@ -1,0 +1,1 @@
+"""Benchmarks: throughput of the pipeline and the trainer, with machine-readable results."""

@@ -1,0 +1,200 @@
+"""Throughput of the input pipeline alone, per backend x storage mode x crop size, against the
+reference's way of loading, in the same run, on the same file and the same cores.
+
+    python -m bench.pipeline                       # CPU or GPU, whatever is here
+    python -m bench.pipeline --report              # regenerate the README table from the results
+
+The baseline is built the way NERSC's tutorial loads data: a PyTorch DataLoader whose worker
+processes (as many as the pipeline's threads) each read a crop from the HDF5 file with h5py,
+rotate it with numpy views and copy it, and collate batches (then moved to the GPU, if any). It
+also turns the velocity channels, which the tutorial forgot, so both sides do the same work.
+Each case discards warm-up batches, then times whole batches; samples/s is samples over wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from bench.env import REPO, environment
+from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
+from pipeline.loaders import LoaderSettings, build_loader
+from pipeline.rotations import ROTATIONS, channel_order, channel_signs
+from pipeline.sampling import Augmenter, DrawPlan
+from pipeline.synthetic import SyntheticSpec, write_box
+from pipeline.volumes import VolumeFiles, VolumePair
+
+RESULTS = REPO / "bench" / "results" / "pipeline.jsonl"
+AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
+
+
+class ReferenceStyleCrops(Dataset):
+    """One rotated crop per item, read with h5py in the worker, as the tutorial's lowmem loader does."""
+
+    def __init__(self, path: Path, plan: DrawPlan) -> None:
+        self.path, self.plan = path, plan
+        self.file = None
+
+    def __len__(self) -> int:
+        return self.plan.num_samples
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import h5py
+
+        if self.file is None:
+            self.file = h5py.File(self.path, "r")
+        draw = self.plan.batch_draws(0, index // self.plan.batch_size)[index % self.plan.batch_size]
+        size, (x, y, z) = self.plan.crop_size, draw.corner
+        rot = ROTATIONS[draw.rotation]
+        out = []
+        for name, channels in ((NBODY_DATASET, AUG.in_channels), (HYDRO_DATASET, AUG.out_channels)):
+            crop = np.empty((channels, size, size, size), dtype=np.float32)
+            self.file[name].read_direct(crop, np.s_[:, x : x + size, y : y + size, z : z + size])
+            view = np.flip(crop.transpose(0, *(1 + p for p in rot.perm)), [1 + a for a in range(3) if rot.signs[a] < 0])
+            rotated = np.copy(view)
+            # The velocity fix touches only the three vector channels: permute them, negate where flipped.
+            rotated[1:4] = rotated[list(channel_order(rot.perm, channels, [[1, 2, 3]])[1:4])]
+            for c, sign in enumerate(channel_signs(rot, channels, [[1, 2, 3]])):
+                if sign < 0:
+                    np.negative(rotated[c], out=rotated[c])
+            out.append(torch.as_tensor(rotated))
+        return out[0], out[1]
+
+
+def _time_batches(batches: Any, warmup: int, measured: int, device: torch.device, batch: int) -> dict[str, float]:
+    """Discard ``warmup`` batches, then time ``measured`` ones (synchronizing the device at both ends only)."""
+    iterator = iter(batches)
+    for _ in range(warmup):
+        inp, tar = next(iterator)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    times, start = [], time.perf_counter()
+    for _ in range(measured):
+        t = time.perf_counter()
+        inp, tar = next(iterator)
+        if device.type != "cuda":
+            times.append(time.perf_counter() - t)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    record = {"samples_per_s": measured * batch / elapsed, "wall_s": elapsed}
+    if times:  # per-batch host times are only meaningful where the work is synchronous
+        record["batch_ms_p50"] = 1000 * statistics.median(times)
+        record["batch_ms_p90"] = 1000 * float(np.percentile(times, 90))
+    return record
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    path = args.data
+    if not path.exists():
+        print(f"writing a {args.box}^3 synthetic box to {path} ...", flush=True)
+        write_box(path, SyntheticSpec(train_box_size=args.box), args.box, seed=0)
+    backends = ["torch"] if args.no_dali else ["dali", "torch"]
+    storages = ["lazy", "host"] + (["device"] if device.type == "cuda" else [])
+    env = environment()
+    records = []
+    for crop in args.crops:
+        volumes = VolumePair.open(VolumeFiles.hdf5(path), 4, 5, crop)
+        total = args.batch * (args.warmup + args.batches)
+        plan = DrawPlan(seed=0, num_samples=total, batch_size=args.batch, box_size=volumes.box_size, crop_size=crop, rotate=True)
+        cases: dict[str, Any] = {}
+        loader = DataLoader(
+            ReferenceStyleCrops(path, plan), batch_size=args.batch, num_workers=args.threads,
+            persistent_workers=False, pin_memory=device.type == "cuda",
+        )  # fmt: skip
+        cases["baseline"] = ((inp.to(device), tar.to(device)) for inp, tar in loader)
+        for backend in backends:
+            for storage in storages:
+                settings = LoaderSettings(backend, storage, "float16", args.threads, lookahead=2)
+                cases[f"{backend}-{storage}"] = lambda s=settings: build_loader(volumes, plan, AUG, s, s.storage, device, dtype)
+        for case, make in cases.items():
+            batches = make() if callable(make) else make
+            print(f"crop {crop}^3, {case} ...", end=" ", flush=True)
+            result = _time_batches(batches, args.warmup, args.batches, device, args.batch)
+            print(f"{result['samples_per_s']:.1f} samples/s", flush=True)
+            backend, _, storage = case.partition("-")
+            records.append({
+                "bench": "pipeline", "case": case, "backend": backend, "storage": storage or "lazy",
+                "crop": crop, "batch": args.batch, "threads": args.threads, "dtype": str(dtype).removeprefix("torch."),
+                "box": volumes.box_size, **result, **env,
+            })  # fmt: skip
+            del batches
+    return records
+
+
+def _latest_run(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the newest run on each device (a run's records share its start time)."""
+    latest: dict[str, str] = {}
+    for r in records:
+        latest[r["device"]] = max(latest.get(r["device"], ""), r["time"])
+    return [r for r in records if r["time"] == latest[r["device"]]]
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """A markdown table of the newest run per device, with each case's ratio to that run's baseline."""
+    lines = []
+    for device in sorted({r["device"] for r in records}):
+        rows = [r for r in records if r["device"] == device]
+        first = rows[0]
+        lines += [
+            f"{device} ({first['cpu']}, {first['cores']} cores), {first['box']}^3 box, batch {first['batch']}, "
+            f"{first['threads']} threads/workers, {first['dtype']} inputs; torch {first['torch']}, DALI {first['dali']}, "
+            f"commit {first['commit']}, {first['time']}",
+            "",
+            "| crop | case | samples/s | vs baseline |",
+            "| --- | --- | ---: | ---: |",
+        ]
+        for crop in sorted({r["crop"] for r in rows}):
+            base = next(r["samples_per_s"] for r in rows if r["crop"] == crop and r["case"] == "baseline")
+            for r in sorted((r for r in rows if r["crop"] == crop), key=lambda r: -r["samples_per_s"]):
+                lines.append(f"| {crop}^3 | {r['case']} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base:.2f}x |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, text: str, name: str = "pipeline") -> None:
+    """Replace what stands between the ``bench:<name>`` markers in ``readme`` with ``text``."""
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    content = readme.read_text()
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{text}\n{end}{tail}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=REPO / "data" / "bench" / "train_256.h5", help="HDF5 box (written if missing)")
+    parser.add_argument("--box", type=int, default=256, help="side of the synthetic box written when --data is missing")
+    parser.add_argument("--crops", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=len(__import__("os").sched_getaffinity(0)), help="pipeline threads = baseline workers")
+    parser.add_argument("--warmup", type=int, default=3, help="batches discarded before timing")
+    parser.add_argument("--batches", type=int, default=20, help="batches timed per case")
+    parser.add_argument("--no_dali", action="store_true", help="torch backend only (machines without DALI)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--report", action="store_true", help="only regenerate the README table from --out")
+    args = parser.parse_args(argv)
+    if not args.report:
+        records = run(args)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    records = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
+    text = table(_latest_run(records))
+    print(text)
+    update_readme(REPO / "README.md", text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The pipeline benchmark's own pieces: its baseline does the same work, its table comes from the records."""
+
+import json
+
+import numpy as np
+
+from bench.pipeline import AUG, ReferenceStyleCrops, _latest_run, _time_batches, table, update_readme
+from pipeline.sampling import DrawPlan
+from pipeline.volumes import VolumeFiles, VolumePair
+
+
+def test_baseline_produces_the_reference_samples(tiny_data):
+    plan = DrawPlan(seed=0, num_samples=48, batch_size=8, box_size=32, crop_size=8, rotate=True)
+    dataset = ReferenceStyleCrops(tiny_data["train"], plan)
+    volumes = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, 8)
+    for i in range(len(dataset)):
+        inp, tar = dataset[i]
+        ref_inp, ref_tar = AUG.reference(volumes, plan.batch_draws(0, i // 8)[i % 8], 8)
+        assert np.array_equal(inp.numpy(), ref_inp) and np.array_equal(tar.numpy(), ref_tar)
+
+
+def test_timing_discards_warmup_batches():
+    consumed = []
+
+    def batches():
+        for i in range(10):
+            consumed.append(i)
+            yield i, i
+
+    import torch
+
+    result = _time_batches(batches(), warmup=3, measured=5, device=torch.device("cpu"), batch=4)
+    assert consumed == list(range(8))  # 3 discarded, 5 timed, none beyond
+    assert result["samples_per_s"] == 20 / result["wall_s"]
+
+
+def _record(case, rate, time="2026-01-01T00:00:00", crop=64):
+    return {"bench": "pipeline", "case": case, "samples_per_s": rate, "crop": crop, "device": "cpu", "cpu": "x",
+            "cores": 2, "box": 256, "batch": 32, "threads": 2, "dtype": "float32", "torch": "t", "dali": "d",
+            "commit": "abc", "time": time, "host": "h"}  # fmt: skip
+
+
+def test_table_uses_the_newest_run_and_ratios_to_its_baseline(tmp_path):
+    records = [_record("baseline", 10.0, "2026-01-01"), _record("dali-host", 99.0, "2026-01-01"),
+               _record("baseline", 50.0, "2026-02-01"), _record("dali-host", 80.0, "2026-02-01")]  # fmt: skip
+    text = table(_latest_run(records))
+    assert "| 64^3 | dali-host | 80.0 | 1.60x |" in text and "99.0" not in text
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- bench:pipeline:start -->\nold\n<!-- bench:pipeline:end -->\nb\n")
+    update_readme(readme, text)
+    content = readme.read_text()
+    assert "old" not in content and "1.60x" in content and content.startswith("a\n") and content.endswith("b\n")
+    json.dumps(records)  # records stay plain JSON
