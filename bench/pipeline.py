@@ -8,7 +8,8 @@ The baseline is built the way NERSC's tutorial loads data: a PyTorch DataLoader 
 processes (as many as the pipeline's threads) each read a crop from the HDF5 file with h5py,
 rotate it with numpy views and copy it, and collate batches (then moved to the GPU, if any). It
 also turns the velocity channels, which the tutorial forgot, so both sides do the same work.
-Each case discards warm-up batches, then times whole batches; samples/s is samples over wall time.
+Each case discards warm-up batches, then times whole batches; samples/s is samples over wall time,
+the median over repeats that go round all cases in turn.
 """
 
 from __future__ import annotations
@@ -107,28 +108,36 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         volumes = VolumePair.open(VolumeFiles.hdf5(path), 4, 5, crop)
         total = args.batch * (args.warmup + args.batches)
         plan = DrawPlan(seed=0, num_samples=total, batch_size=args.batch, box_size=volumes.box_size, crop_size=crop, rotate=True)
-        cases: dict[str, Any] = {}
-        loader = DataLoader(
-            ReferenceStyleCrops(path, plan), batch_size=args.batch, num_workers=args.threads,
-            persistent_workers=False, pin_memory=device.type == "cuda",
-        )  # fmt: skip
-        cases["baseline"] = ((inp.to(device), tar.to(device)) for inp, tar in loader)
+
+        def baseline(plan: DrawPlan = plan) -> Any:
+            loader = DataLoader(
+                ReferenceStyleCrops(path, plan), batch_size=args.batch, num_workers=args.threads,
+                pin_memory=device.type == "cuda",
+            )  # fmt: skip
+            return ((inp.to(device), tar.to(device)) for inp, tar in loader)
+
+        cases: dict[str, Any] = {"baseline": baseline}
         for backend in backends:
             for storage in storages:
                 settings = LoaderSettings(backend, storage, "float16", args.threads, lookahead=2)
-                cases[f"{backend}-{storage}"] = lambda s=settings: build_loader(volumes, plan, AUG, s, s.storage, device, dtype)
-        for case, make in cases.items():
-            batches = make() if callable(make) else make
-            print(f"crop {crop}^3, {case} ...", end=" ", flush=True)
-            result = _time_batches(batches, args.warmup, args.batches, device, args.batch)
-            print(f"{result['samples_per_s']:.1f} samples/s", flush=True)
+                cases[f"{backend}-{storage}"] = lambda s=settings, v=volumes, p=plan: build_loader(v, p, AUG, s, s.storage, device, dtype)
+        # Repeats go round all cases, so that drift on a shared machine spreads over every case alike.
+        results: dict[str, list[dict[str, float]]] = {case: [] for case in cases}
+        for repeat in range(args.repeats):
+            for case, make in cases.items():
+                batches = make()
+                results[case].append(_time_batches(batches, args.warmup, args.batches, device, args.batch))
+                del batches
+                print(f"crop {crop}^3, {case}, repeat {repeat + 1}: {results[case][-1]['samples_per_s']:.1f} samples/s", flush=True)
+        for case, runs in results.items():
+            rates = [r["samples_per_s"] for r in runs]
             backend, _, storage = case.partition("-")
             records.append({
                 "bench": "pipeline", "case": case, "backend": backend, "storage": storage or "lazy",
                 "crop": crop, "batch": args.batch, "threads": args.threads, "dtype": str(dtype).removeprefix("torch."),
-                "box": volumes.box_size, **result, **env,
+                "box": volumes.box_size, "repeats": len(rates), "samples_per_s": statistics.median(rates),
+                "samples_per_s_min": min(rates), "samples_per_s_max": max(rates), **env,
             })  # fmt: skip
-            del batches
     return records
 
 
@@ -151,13 +160,14 @@ def table(records: list[dict[str, Any]]) -> str:
             f"{first['threads']} threads/workers, {first['dtype']} inputs; torch {first['torch']}, DALI {first['dali']}, "
             f"commit {first['commit']}, {first['time']}",
             "",
-            "| crop | case | samples/s | vs baseline |",
-            "| --- | --- | ---: | ---: |",
+            "| crop | case | samples/s (median) | min - max | vs baseline |",
+            "| --- | --- | ---: | ---: | ---: |",
         ]
         for crop in sorted({r["crop"] for r in rows}):
             base = next(r["samples_per_s"] for r in rows if r["crop"] == crop and r["case"] == "baseline")
             for r in sorted((r for r in rows if r["crop"] == crop), key=lambda r: -r["samples_per_s"]):
-                lines.append(f"| {crop}^3 | {r['case']} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base:.2f}x |")
+                spread = f"{r['samples_per_s_min']:.0f} - {r['samples_per_s_max']:.0f}"
+                lines.append(f"| {crop}^3 | {r['case']} | {r['samples_per_s']:.1f} | {spread} | {r['samples_per_s'] / base:.2f}x |")
         lines.append("")
     return "\n".join(lines)
 
@@ -179,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=len(__import__("os").sched_getaffinity(0)), help="pipeline threads = baseline workers")
     parser.add_argument("--warmup", type=int, default=3, help="batches discarded before timing")
-    parser.add_argument("--batches", type=int, default=20, help="batches timed per case")
+    parser.add_argument("--batches", type=int, default=20, help="batches timed per case and repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case; the median is reported")
     parser.add_argument("--no_dali", action="store_true", help="torch backend only (machines without DALI)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--report", action="store_true", help="only regenerate the README table from --out")

@@ -61,6 +61,7 @@ class _ResidentFeed:
     def __init__(self, nbody: Any, hydro: Any, plan: DrawPlan, augmenter: Augmenter, first_epoch: int) -> None:
         self.nbody, self.hydro, self.plan, self.augmenter = nbody, hydro, plan, augmenter
         self.first_epoch = first_epoch
+        self.half = str(nbody.dtype).removeprefix("torch.") == "float16"  # numpy or torch volumes
 
     def _draws(self, info: Any) -> list[SampleDraw]:
         if info.iteration >= self.plan.num_batches:
@@ -118,6 +119,8 @@ def _graph(feed: _BatcherFeed | _ResidentFeed, augmenter: Augmenter, crop_size: 
         anchor, *args = fn.external_source(feed.cuts, num_outputs=5, batch=True, batch_info=True)
         inp = fn.slice(nbody, anchor, [crop_size] * 3, axes=[1, 2, 3])
         tar = fn.slice(hydro, anchor, [crop_size] * 3, axes=[1, 2, 3])
+        if feed.half:  # float16 storage: widen the crops (DALI's CPU flip takes no float16; targets are float32)
+            inp, tar = fn.cast(inp, dtype=types.FLOAT), fn.cast(tar, dtype=types.FLOAT)
     else:
         num_outputs = 2 if feed.batcher.rotate_here else 6
         inp, tar, *args = fn.external_source(

@@ -9,7 +9,6 @@ backend's and the numpy reference's (tested).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 

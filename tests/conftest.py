@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from pipeline.sampling import DrawPlan, SampleDraw
 from pipeline.synthetic import SyntheticSpec, boxes, write_box
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,6 +25,18 @@ TINY_ARGS = [
     "--synthetic", json.dumps({"train_box_size": 32, "val_box_size": 32, "seed": 3}),
     "--lr_schedule.start_lr", "1e-2",
 ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EveryRotation(DrawPlan):
+    """Cycles through all 24 rotations, with corners that differ per epoch and sample."""
+
+    def batch_draws(self, epoch, batch):
+        start = batch * self.batch_size
+        return [
+            SampleDraw(((i * 5 + epoch) % 20, (i * 3) % 24, (i * 7 + 2 * epoch) % 24), i % 24)
+            for i in range(start, min(start + self.batch_size, self.num_samples))
+        ]
 
 
 @pytest.fixture(scope="session")

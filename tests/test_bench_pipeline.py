@@ -35,7 +35,8 @@ def test_timing_discards_warmup_batches():
 
 
 def _record(case, rate, time="2026-01-01T00:00:00", crop=64):
-    return {"bench": "pipeline", "case": case, "samples_per_s": rate, "crop": crop, "device": "cpu", "cpu": "x",
+    return {"bench": "pipeline", "case": case, "samples_per_s": rate, "samples_per_s_min": rate - 1,
+            "samples_per_s_max": rate + 1, "crop": crop, "device": "cpu", "cpu": "x",
             "cores": 2, "box": 256, "batch": 32, "threads": 2, "dtype": "float32", "torch": "t", "dali": "d",
             "commit": "abc", "time": time, "host": "h"}  # fmt: skip
 
@@ -44,7 +45,7 @@ def test_table_uses_the_newest_run_and_ratios_to_its_baseline(tmp_path):
     records = [_record("baseline", 10.0, "2026-01-01"), _record("dali-host", 99.0, "2026-01-01"),
                _record("baseline", 50.0, "2026-02-01"), _record("dali-host", 80.0, "2026-02-01")]  # fmt: skip
     text = table(_latest_run(records))
-    assert "| 64^3 | dali-host | 80.0 | 1.60x |" in text and "99.0" not in text
+    assert "| 64^3 | dali-host | 80.0 | 79 - 81 | 1.60x |" in text and "99.0" not in text
     readme = tmp_path / "README.md"
     readme.write_text("a\n<!-- bench:pipeline:start -->\nold\n<!-- bench:pipeline:end -->\nb\n")
     update_readme(readme, text)

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from ds_train import parse_args
-from trainer.config import Config, ConfigError, build_config, leaf_keys, load_named
 from tests.conftest import REPO
+from trainer.config import Config, ConfigError, build_config, leaf_keys, load_named
 
 YAML = REPO / "ds_configs" / "UNet.yaml"
 

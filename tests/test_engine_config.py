@@ -3,9 +3,9 @@ import logging
 
 import pytest
 
+from tests.conftest import REPO
 from trainer.config import ConfigError
 from trainer.engine import BatchPlan, load_ds_template, plan_batches, resolve_ds_config
-from tests.conftest import REPO
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,8 @@
-"""Every backend, storage mode and format against the numpy reference, voxel for voxel.
+"""The CPU paths: every backend, storage mode and format against the numpy reference, voxel for voxel.
 
-The GPU paths (rotation by DALI operators or torch ops, crops cut from resident volumes) are the
-same code on the CPU, so they run here with CPU data; bench/gpu_check.sh runs them on a GPU.
+The device paths (rotation by DALI operators or torch ops, crops cut from resident volumes) are in
+test_device_paths.py.
 """
-
-from dataclasses import dataclass
 
 import h5py
 import numpy as np
@@ -15,25 +13,13 @@ from pipeline.crops import CropBatcher
 from pipeline.dali import DaliLoader
 from pipeline.loaders import LoaderSettings, build_loader, effective_storage
 from pipeline.rotations import ROTATIONS
-from pipeline.sampling import Augmenter, DrawPlan, SampleDraw, train_draw, val_draw
-from pipeline.torch_backend import TorchLoader
+from pipeline.sampling import Augmenter, DrawPlan, train_draw, val_draw
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
+from tests.conftest import EveryRotation
 
 CROP = 8
 AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
 CPU = torch.device("cpu")
-
-
-@dataclass(frozen=True)
-class EveryRotation(DrawPlan):
-    """Cycles through all 24 rotations, with corners that differ per epoch and sample."""
-
-    def batch_draws(self, epoch, batch):
-        start = batch * self.batch_size
-        return [
-            SampleDraw(((i * 5 + epoch) % 20, (i * 3) % 24, (i * 7 + 2 * epoch) % 24), i % 24)
-            for i in range(start, min(start + self.batch_size, self.num_samples))
-        ]
 
 
 def _plan(num_samples=48, batch_size=8, cls=EveryRotation, **kw):
@@ -71,43 +57,6 @@ def test_dali_with_rotating_batcher(volumes):
     plan = _plan()
     loader = DaliLoader(plan=plan, augmenter=AUG, device_id=None, dtype=torch.float32, rotate_on_device=False, batcher=_batcher(volumes, plan, True))
     _check_against_reference(loader, plan, volumes)
-
-
-# The GPU paths, run on the CPU: DALI operators rotate crops from the batcher, or cut them from resident volumes.
-def test_dali_graph_rotation_equals_reference_for_all_24(volumes):
-    plan = _plan()
-    loader = DaliLoader(plan=plan, augmenter=AUG, device_id=None, dtype=torch.float32, rotate_on_device=True, batcher=_batcher(volumes, plan, False))
-    _check_against_reference(loader, plan, volumes)
-
-
-def test_dali_resident_volumes_cut_and_rotate(volumes):
-    plan = _plan()
-    loader = DaliLoader(plan=plan, augmenter=AUG, device_id=None, dtype=torch.float32, rotate_on_device=True, resident=(volumes.nbody, volumes.hydro))
-    _check_against_reference(loader, plan, volumes)
-
-
-def test_torch_backend_paths(volumes):
-    plan = _plan()
-    for kwargs in (
-        dict(rotate_on_device=False, batcher=_batcher(volumes, plan, True, hold=1)),
-        dict(rotate_on_device=True, batcher=_batcher(volumes, plan, False, hold=1)),
-        dict(rotate_on_device=True, resident=(torch.from_numpy(volumes.nbody), torch.from_numpy(volumes.hydro))),
-    ):
-        loader = TorchLoader(plan=plan, augmenter=AUG, device=CPU, dtype=torch.float32, **kwargs)
-        _check_against_reference(loader, plan, volumes)
-
-
-def test_general_vector_layouts(volumes):
-    # Five input channels (the fifth scalar) and targets whose vector components are stored out of order.
-    aug = Augmenter(5, 5, [[1, 2, 3]], [[3, 1, 2]])
-    vols = VolumePair(volumes.files, np.concatenate([volumes.nbody, volumes.hydro[4:]]), volumes.hydro)
-    plan = _plan(num_samples=24, batch_size=24)
-    batcher = CropBatcher(vols, plan, aug, rotate_here=False, threads=1, lookahead=1, hold=2)
-    loader = DaliLoader(plan=plan, augmenter=aug, device_id=None, dtype=torch.float32, rotate_on_device=True, batcher=batcher)
-    ((inp, tar),) = _epoch(loader)
-    for j, draw in enumerate(plan.batch_draws(0, 0)):
-        ref_inp, ref_tar = aug.reference(vols, draw, CROP)
-        assert np.array_equal(inp[j].numpy(), ref_inp) and np.array_equal(tar[j].numpy(), ref_tar)
 
 
 @pytest.mark.parametrize("backend", ["dali", "torch"])

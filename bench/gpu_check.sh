@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# GPU check, under 5 minutes on one GPU: the device paths against the CPU reference (tests/test_device_paths.py,
+# CUDA variants included), then the pipeline's throughput at 64^3, batch 64, per backend and storage mode.
+# Where DALI is not installed it checks the torch backend and says that DALI was skipped.
+#
+#   bash bench/gpu_check.sh [RESULTS.jsonl]   # PYTHON=... picks the interpreter; needs torch (CUDA), h5py, pytest
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+results="${1:-bench/results/pipeline.jsonl}"
+py="${PYTHON:-python3}"
+"$py" - <<'PY' || exit 2
+import torch
+assert torch.cuda.is_available(), "no CUDA device: this check is for a GPU machine"
+print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__, "| CUDA", torch.version.cuda)
+PY
+if "$py" -c "import nvidia.dali" 2>/dev/null; then dali=(); else
+  echo "DALI is not installed here: checking the torch backend only (DALI skipped)"; dali=(--no_dali)
+fi
+"$py" -m pytest -q -rs -p no:cacheprovider tests/test_device_paths.py
+status=$?
+"$py" -m bench.pipeline --crops 64 --batch 64 --batches 20 --repeats 2 --out "$results" "${dali[@]}" || status=1
+exit $status

@@ -1,0 +1,111 @@
+"""The device paths of both backends against the numpy reference, on every device present.
+
+On a GPU these paths rotate crops with DALI operators or torch ops and cut them from volumes resident
+in GPU memory; on the CPU the same code runs on CPU data. CI runs the CPU variants; on a GPU machine
+``bench/gpu_check.sh`` runs this file again, CUDA included (DALI where it is installed).
+"""
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.crops import CropBatcher
+from pipeline.loaders import LoaderSettings, build_loader, to_device
+from pipeline.sampling import Augmenter, DrawPlan
+from pipeline.volumes import VolumeFiles, VolumePair
+from tests.conftest import EveryRotation
+
+CROP = 8
+AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
+HAVE_DALI = importlib.util.find_spec("nvidia.dali") is not None
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+BACKENDS = ["torch"] + (["dali"] if HAVE_DALI else [])
+
+
+PLAN = EveryRotation(seed=0, num_samples=52, batch_size=8, box_size=32, crop_size=CROP, rotate=True)  # 6 full + 1 partial
+
+
+@pytest.fixture(scope="module")
+def volumes(tiny_data):
+    return VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP).load()
+
+
+def _loader(backend, device, volumes, source, storage_dtype, dtype, aug=AUG, plan=PLAN):
+    """A loader whose device rotates: crops from a (non-rotating) batcher, or cut from resident volumes."""
+    common = dict(plan=plan, augmenter=aug, dtype=dtype, rotate_on_device=True)
+    if source == "batcher":
+        hold = 2 if backend == "dali" else 1
+        sources = dict(batcher=CropBatcher(volumes, plan, aug, rotate_here=False, threads=2, lookahead=2, hold=hold))
+    else:
+        resident = to_device(volumes, device, storage_dtype)
+        if backend == "dali" and device.type == "cpu":
+            resident = tuple(t.numpy() for t in resident)  # DALI's CPU external source takes numpy
+        sources = dict(resident=resident)
+    if backend == "dali":
+        from pipeline.dali import DaliLoader
+
+        return DaliLoader(device_id=device.index if device.type == "cuda" else None, **common, **sources)
+    from pipeline.torch_backend import TorchLoader
+
+    return TorchLoader(device=device, **common, **sources)
+
+
+CASES = [("batcher", "float32"), ("resident", "float32"), ("resident", "float16")]
+
+
+@pytest.mark.parametrize("device_type", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("source, storage_dtype", CASES)
+def test_device_rotation_equals_reference_for_all_24(volumes, device_type, backend, source, storage_dtype):
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    dtype = torch.float16 if device_type == "cuda" else torch.float32
+    loader = _loader(backend, device, volumes, source, storage_dtype, dtype)
+    half = storage_dtype == "float16"
+    for epoch in range(2):
+        batches = [(inp.cpu(), tar.cpu()) for inp, tar in loader]
+        assert len(batches) == PLAN.num_batches == 7 and len(batches[-1][0]) == 4
+        for b, (inp, tar) in enumerate(batches):
+            assert inp.dtype == dtype and tar.dtype == torch.float32
+            for j, draw in enumerate(PLAN.batch_draws(epoch, b)):
+                ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
+                if half:  # the volumes themselves were rounded to float16; rotating them is exact
+                    ref_inp, ref_tar = ref_inp.astype(np.float16), ref_tar.astype(np.float16).astype(np.float32)
+                assert torch.equal(inp[j], torch.from_numpy(ref_inp).to(dtype)), (epoch, b, j, draw)
+                assert torch.equal(tar[j], torch.from_numpy(ref_tar)), (epoch, b, j, draw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_general_vector_layouts(volumes, backend):
+    # Five input channels (the fifth scalar) and targets whose vector components are stored out of order.
+    aug = Augmenter(5, 5, [[1, 2, 3]], [[3, 1, 2]])
+    vols = VolumePair(volumes.files, np.concatenate([volumes.nbody, volumes.hydro[4:]]), volumes.hydro)
+    plan = EveryRotation(seed=0, num_samples=24, batch_size=24, box_size=32, crop_size=CROP, rotate=True)
+    device = torch.device(DEVICES[-1], 0) if DEVICES[-1] == "cuda" else torch.device("cpu")
+    loader = _loader(backend, device, vols, "batcher", "float32", torch.float32, aug=aug, plan=plan)
+    ((inp, tar),) = [(i.cpu(), t.cpu()) for i, t in loader]
+    for j, draw in enumerate(plan.batch_draws(0, 0)):
+        ref_inp, ref_tar = aug.reference(vols, draw, CROP)
+        assert np.array_equal(inp[j].numpy(), ref_inp) and np.array_equal(tar[j].numpy(), ref_tar)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("storage", ["lazy", "host", "device"])
+def test_gpu_storage_modes_give_the_same_samples(volumes, tiny_data, backend, storage):
+    plan = DrawPlan(seed=0, num_samples=20, batch_size=8, box_size=32, crop_size=CROP, rotate=True)
+    opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP)
+    settings = LoaderSettings(backend, storage, "float32", threads=2, lookahead=2)
+    loader = build_loader(opened, plan, AUG, settings, storage, torch.device("cuda", 0), torch.float32)
+    for b, (inp, tar) in enumerate(loader):
+        assert inp.device.type == "cuda"
+        for j, draw in enumerate(plan.batch_draws(0, b)):
+            ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
+            assert np.array_equal(inp[j].cpu().numpy(), ref_inp) and np.array_equal(tar[j].cpu().numpy(), ref_tar)
+
+
+def test_dali_is_checked_where_installed():
+    if not HAVE_DALI:
+        pytest.skip("DALI is not installed here: only the torch backend's device paths were checked")
+    assert "dali" in BACKENDS
