@@ -35,10 +35,14 @@ def _cpu_model() -> str:
 
 
 def git_commit() -> str | None:
+    """HEAD, marked +dirty when code differs from it (documentation and results do not count)."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", ".", ":!*.md", ":!bench/results"],
+            cwd=REPO, capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+        return out.stdout.strip() + ("+dirty" if status else "")
     except (OSError, subprocess.CalledProcessError):
         return None
 
