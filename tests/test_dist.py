@@ -1,6 +1,6 @@
 import pytest
 
-from trainer.dist import DistEnv, DistError
+from trainer.dist import DistEnv, DistError, first_host, tasks_on_node
 
 LAUNCHED = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
 
@@ -27,5 +27,59 @@ def test_incomplete_launcher_variables_are_named():
 def test_non_integer_and_inconsistent_values():
     with pytest.raises(DistError, match="RANK='x'"):
         DistEnv.from_environ({**LAUNCHED, "RANK": "x"})
-    with pytest.raises(DistError, match="inconsistent ranks: RANK=8"):
+    with pytest.raises(DistError, match="inconsistent ranks from the launcher: rank 8, local rank 1, world size 8"):
         DistEnv.from_environ({**LAUNCHED, "RANK": "8"})
+
+
+SRUN_TASK = {
+    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
+    "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "nid[001-002]",
+    "SLURM_JOB_NODELIST": "nid[001-002]",
+}  # fmt: skip
+
+
+def test_from_srun_task():
+    env = DistEnv.from_environ(SRUN_TASK)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (5, 1, 8, 4)
+    assert env.master_addr == "nid001" and env.source == "slurm"
+    assert env.master_port == DistEnv.from_environ({**SRUN_TASK, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}).master_port
+    assert env.master_port != DistEnv.from_environ({**SRUN_TASK, "SLURM_JOB_ID": "4243"}).master_port
+    override = DistEnv.from_environ({**SRUN_TASK, "MASTER_ADDR": "head", "MASTER_PORT": "1234"})
+    assert (override.master_addr, override.master_port) == ("head", 1234)
+
+
+def test_batch_script_without_srun_is_one_process(caplog):
+    # sbatch -n 8 runs the script once with SLURM_PROCID=0 and no step: a plain `python ds_train.py` there is alone.
+    batch = {k: v for k, v in SRUN_TASK.items() if k not in ("SLURM_STEP_ID", "SLURM_STEP_NODELIST")}
+    env = DistEnv.from_environ(batch)
+    assert (env.rank, env.world_size, env.source) == (0, 1, "single")
+    assert "not started by srun" in caplog.text
+
+
+def test_launcher_inside_a_step_is_trusted_unless_it_contradicts_the_tasks():
+    # `srun -N2 --ntasks-per-node=1 deepspeed ...`-like: the launcher's ranks differ from the step's tasks; fine.
+    inside = DistEnv.from_environ({**SRUN_TASK, "SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)", **LAUNCHED})
+    assert (inside.rank, inside.source) == (3, "launcher")
+    # Every srun task told it is rank 0 (RANK exported in the batch script): the reported bug.
+    with pytest.raises(DistError, match="RANK=0 contradicts SLURM_PROCID=5 .* unset RANK"):
+        DistEnv.from_environ({**SRUN_TASK, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "x", "MASTER_PORT": "1"})
+
+
+def test_incomplete_slurm_step_is_named():
+    partial = {k: v for k, v in SRUN_TASK.items() if k not in ("SLURM_NTASKS", "SLURM_STEP_TASKS_PER_NODE")}
+    with pytest.raises(DistError, match="SLURM_NTASKS, SLURM_STEP_TASKS_PER_NODE missing"):
+        DistEnv.from_environ(partial)
+
+
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("localhost", "localhost"), ("nid[001-004,010]", "nid001"), ("gpu7,gpu[1-3]", "gpu7"), ("rack[2-3]-n[05,07]", "rack2-n05")],
+)
+def test_first_host_of_a_node_list(nodelist, first):
+    assert first_host(nodelist) == first
+
+
+def test_tasks_per_node():
+    assert [tasks_on_node("4(x2),3", i) for i in range(3)] == [4, 4, 3]
+    with pytest.raises(DistError, match="cannot read"):
+        tasks_on_node("4x2", 0)

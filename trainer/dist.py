@@ -1,13 +1,31 @@
-"""Where this process stands in the job: rank, local rank, world size and the rendezvous address."""
+"""Where this process stands in the job: rank, local rank, world size and the rendezvous address.
+
+One place reads the three ways a process can be started:
+
+- by a launcher (``deepspeed``, ``torchrun``, DeepSpeed's Slurm launcher): RANK, LOCAL_RANK,
+  WORLD_SIZE, MASTER_ADDR and MASTER_PORT, all of them;
+- by ``srun``, one process per task: SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and the step's node
+  list, whose first host is the rendezvous (MASTER_ADDR and MASTER_PORT override it; the port is
+  otherwise derived from the job and step ids, so that every task computes the same one);
+- by nothing: a single process.
+
+DeepSpeed itself reads only the launcher's variables, which is why ranks started by a plain
+``srun`` all believed they were rank 0: here they are mapped, and contradictions are errors.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+log = logging.getLogger(__name__)
+
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_SLURM_VARS = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE")
 
 
 class DistError(ValueError):
@@ -20,6 +38,40 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: 'nid[001-004,010],gpu7' -> 'nid001'."""
+    first, depth = "", 0
+    for ch in nodelist:
+        if ch == "," and depth == 0:
+            break
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        first += ch
+    # Each bracket group contributes its first entry: 'rack[1-2]-n[03,05]' -> 'rack1-n03'.
+    return re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], first)
+
+
+def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Tasks on node ``node_id`` from Slurm's compressed count list: '4(x2),3' -> [4, 4, 3]."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise DistError(f"cannot read SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    if not 0 <= node_id < len(counts):
+        raise DistError(f"SLURM_NODEID={node_id} is not in SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}")
+    return counts[node_id]
+
+
+def _ints(environ: Mapping[str, str], names: tuple[str, ...]) -> dict[str, int]:
+    try:
+        return {v: int(environ[v]) for v in names}
+    except ValueError:
+        raise DistError(
+            f"{', '.join(names)} must be integers, got " + ", ".join(f"{v}={environ[v]!r}" for v in names)
+        ) from None
+
+
 @dataclass(frozen=True)
 class DistEnv:
     rank: int
@@ -28,6 +80,8 @@ class DistEnv:
     local_world_size: int
     master_addr: str
     master_port: int
+    source: str = "single"
+    """Who started the process: 'launcher', 'slurm' or 'single'."""
 
     @property
     def is_main(self) -> bool:
@@ -35,36 +89,75 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> DistEnv:
-        """From a launcher's variables (deepspeed, torchrun), or a single process when none is set."""
-        present = [v for v in _LAUNCHER_VARS if v in environ]
-        if not present:
-            return cls(0, 0, 1, 1, "127.0.0.1", _free_port())
+        launcher = [v for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if v in environ]
+        in_step = "SLURM_STEP_ID" in environ and "SLURM_PROCID" in environ
+        if launcher:
+            env = cls._from_launcher(environ, launcher)
+            if in_step:
+                cls._check_against_slurm(env, environ)
+        elif in_step:
+            env = cls._from_slurm(environ)
+        else:
+            if int(environ.get("SLURM_NTASKS", "1")) > 1:
+                log.warning(
+                    "in a Slurm allocation of %s tasks but not started by srun or a launcher: training on one process",
+                    environ["SLURM_NTASKS"],
+                )
+            return cls(0, 0, 1, 1, environ.get("MASTER_ADDR", "127.0.0.1"), _free_port())
+        if not 0 <= env.rank < env.world_size or not 0 <= env.local_rank < env.local_world_size:
+            raise DistError(
+                f"inconsistent ranks from the {env.source}: rank {env.rank}, local rank {env.local_rank}, "
+                f"world size {env.world_size}, local world size {env.local_world_size}"
+            )
+        return env
+
+    @classmethod
+    def _from_launcher(cls, environ: Mapping[str, str], present: list[str]) -> DistEnv:
         missing = [v for v in _LAUNCHER_VARS if v not in environ]
         if missing:
             raise DistError(f"launcher variables incomplete: {', '.join(present)} set but {', '.join(missing)} missing")
-        try:
-            values = {v: int(environ[v]) for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-        except ValueError:
-            raise DistError(
-                "RANK, LOCAL_RANK, WORLD_SIZE and MASTER_PORT must be integers, got "
-                + ", ".join(f"{v}={environ[v]!r}" for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"))
-            ) from None
+        values = _ints(environ, ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"))
         # torchrun names it LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
         local_world = int(environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE", values["WORLD_SIZE"])))
-        env = cls(
-            rank=values["RANK"],
-            local_rank=values["LOCAL_RANK"],
-            world_size=values["WORLD_SIZE"],
-            local_world_size=local_world,
-            master_addr=environ["MASTER_ADDR"],
-            master_port=values["MASTER_PORT"],
+        return cls(
+            values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"], local_world,
+            environ["MASTER_ADDR"], values["MASTER_PORT"], "launcher",
+        )  # fmt: skip
+
+    @classmethod
+    def _from_slurm(cls, environ: Mapping[str, str]) -> DistEnv:
+        missing = [v for v in _SLURM_VARS if v not in environ]
+        nodelist = environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST"))
+        if nodelist is None:
+            missing.append("SLURM_STEP_NODELIST")
+        if missing:
+            raise DistError(f"Slurm step variables incomplete: {', '.join(missing)} missing")
+        values = _ints(environ, ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID"))
+        if "MASTER_PORT" in environ:
+            port = _ints(environ, ("MASTER_PORT",))["MASTER_PORT"]
+        else:  # the same on every task of the step, and different for other jobs and steps
+            job, step = _ints(environ, ("SLURM_JOB_ID", "SLURM_STEP_ID")).values()
+            port = 20000 + (job * 16 + step) % 20000
+        return cls(
+            rank=values["SLURM_PROCID"],
+            local_rank=values["SLURM_LOCALID"],
+            world_size=values["SLURM_NTASKS"],
+            local_world_size=tasks_on_node(environ["SLURM_STEP_TASKS_PER_NODE"], values["SLURM_NODEID"]),
+            master_addr=environ.get("MASTER_ADDR", first_host(nodelist)),
+            master_port=port,
+            source="slurm",
         )
-        if not 0 <= env.rank < env.world_size or not 0 <= env.local_rank < env.local_world_size:
+
+    @staticmethod
+    def _check_against_slurm(env: DistEnv, environ: Mapping[str, str]) -> None:
+        """A launcher inside an srun step is fine (it starts the ranks itself), unless the step's tasks
+        are the ranks and the two disagree: typically RANK exported in the batch script for all tasks."""
+        tasks = int(environ.get("SLURM_NTASKS", "1"))
+        if tasks > 1 and tasks == env.world_size and str(env.rank) != environ["SLURM_PROCID"]:
             raise DistError(
-                f"inconsistent ranks: RANK={env.rank} LOCAL_RANK={env.local_rank} WORLD_SIZE={env.world_size} "
-                f"local world size {env.local_world_size}"
+                f"RANK={env.rank} contradicts SLURM_PROCID={environ['SLURM_PROCID']} in a step of "
+                f"{tasks} tasks = WORLD_SIZE: unset RANK/LOCAL_RANK/WORLD_SIZE when starting ranks with srun"
             )
-        return env
 
     def export(self) -> None:
         """Put the rendezvous in the environment, where torch.distributed's env:// init reads it."""
@@ -72,6 +165,7 @@ class DistEnv:
             RANK=str(self.rank),
             LOCAL_RANK=str(self.local_rank),
             WORLD_SIZE=str(self.world_size),
+            LOCAL_WORLD_SIZE=str(self.local_world_size),
             MASTER_ADDR=self.master_addr,
             MASTER_PORT=str(self.master_port),
         )
