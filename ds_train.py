@@ -14,7 +14,6 @@ import argparse
 import difflib
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -101,11 +100,17 @@ def configure_logging(rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
-    configure_logging(int(os.environ.get("RANK", "0")))
+    configure_logging(rank=0)  # until this process knows its rank, errors must show
     try:
         dist = DistEnv.from_environ()
+        configure_logging(dist.rank)
         name, cfg = resolve_config(args, overrides)
-        device = init_distributed(dist)
+        device = init_distributed(dist, cfg.dist_timeout_s)
+        started = {"launcher": "a launcher's variables", "slurm": "srun's variables", "single": "no launcher"}[dist.source]
+        log.info(
+            "rank %d of %d (local rank %d of %d on this node), from %s",
+            dist.rank, dist.world_size, dist.local_rank, dist.local_world_size, started,
+        )  # fmt: skip
         run_dir = resolve_run_dir(args, name, dist)
         if dist.is_main:
             handler = logging.FileHandler(run_dir / "train.log")

@@ -108,3 +108,14 @@ def test_synthetic_block_from_the_command_line():
     _, overrides = parse_args(["--synthetic", json.dumps({"train_box_size": 32, "val_box_size": 32, "seed": 3})])
     cfg = build_config(load_named(YAML, "base"), overrides)
     assert (cfg.synthetic.train_box_size, cfg.synthetic.seed) == (32, 3)
+
+
+def test_paths_take_variables_from_the_environment(monkeypatch):
+    monkeypatch.delenv("DATA_DIR", raising=False)
+    assert _load("base").train_path == "/data/downsamp_2048crop_train.h5"
+    monkeypatch.setenv("DATA_DIR", "/scratch/me/pm")
+    cfg = _load("base")
+    assert cfg.train_path == "/scratch/me/pm/downsamp_2048crop_train.h5"
+    assert cfg.val_path_npy_label == "/scratch/me/pm/downsamp_1024crop_valid_label.npy"
+    with pytest.raises(ConfigError, match="train_path refers to \\$\\{NOPE_DIR\\}, which is not set"):
+        _load("base", train_path="${NOPE_DIR}/x.h5")

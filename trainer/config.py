@@ -12,8 +12,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import os
+import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -108,6 +111,7 @@ class Config:
     log_every_steps: int = _field(20, "optimizer steps between log points")
     checkpoint_keep: int = _field(3, "checkpoints kept in the run directory (the newest ones)")
     cpu_threads: Optional[int] = _field(None, "torch threads per rank on CPU (null: cores / ranks on this node)")
+    dist_timeout_s: float = _field(600.0, "how long a collective waits for a missing rank before failing")
 
     def validate(self) -> None:
         positive = ["data_size", "Nsamples", "Nsamples_val", "num_epochs", "global_batch_size", "base_batch_size",
@@ -115,6 +119,8 @@ class Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dist_timeout_s <= 0:
+            raise ConfigError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
         if self.data_prefetch < 0:
             raise ConfigError(f"data_prefetch must not be negative, got {self.data_prefetch}")
         if self.synthetic is not None and self.data_format != "hdf5":
@@ -259,12 +265,33 @@ def parse_value(raw: str) -> Any:
         return raw
 
 
+# Keys naming files: ${VAR} and ${VAR:-default} in them are taken from the environment, so that a site's
+# data directory (DATA_DIR in slurm/train.sbatch) needs no edit of the configs.
+PATH_KEYS = ("train_path", "val_path", "train_path_npy_data", "train_path_npy_label", "val_path_npy_data",
+             "val_path_npy_label", "deepspeed_config")  # fmt: skip
+_VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+
+
+def expand_path(key: str, value: str, environ: Mapping[str, str] = os.environ) -> str:
+    def replace(match: re.Match) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in environ:
+            return environ[name]
+        if default is None:
+            raise ConfigError(f"{key} refers to ${{{name}}}, which is not set (write ${{{name}:-default}} for a default)")
+        return default
+
+    return _VARIABLE.sub(replace, value)
+
+
 def build_config(base: dict[str, Any], overrides: dict[str, str]) -> Config:
     """The config from a named mapping plus command-line ``overrides`` (dotted key -> raw string)."""
     data = copy.deepcopy(base)
     for key, raw in overrides.items():
         set_dotted(data, key, parse_value(raw))
     cfg = from_dict(Config, data)
+    for key in PATH_KEYS:
+        setattr(cfg, key, expand_path(key, getattr(cfg, key)))
     cfg.validate()
     return cfg
 

@@ -15,10 +15,11 @@ class RunLog:
     """Rank 0 writes; on other ranks every call is a no-op, so callers need not ask who they are.
 
     A record is ``step`` plus named scalars (``loss/train``, ``lr``...): the same names are the
-    TensorBoard tags and the metrics.jsonl keys. ``epoch`` and ``samples`` are kept in the JSON only.
+    TensorBoard tags and the metrics.jsonl keys. ``epoch``, ``samples`` and the per-rank losses are
+    kept in the JSON only.
     """
 
-    _JSON_ONLY = ("epoch", "samples")
+    _JSON_ONLY = ("epoch", "samples", "loss/train_per_rank")
 
     def __init__(self, run_dir: Path, enabled: bool) -> None:
         self.enabled = enabled

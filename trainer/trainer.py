@@ -6,6 +6,8 @@ benchmarks call them instead of copying them.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import logging
 import os
@@ -92,8 +94,12 @@ class Device:
     """The GPU this rank uses, None on CPU."""
 
 
-def init_distributed(dist: DistEnv) -> Device:
-    """Start torch.distributed (NCCL on GPUs, gloo on CPUs) and pick this rank's device."""
+def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
+    """Start torch.distributed (NCCL on GPUs, gloo on CPUs) and pick this rank's device.
+
+    ``timeout_s`` bounds how long a collective waits for a rank that is gone (its launcher should
+    end the job first; this is the backstop).
+    """
     device_type = get_accelerator().device_name()
     dist.export()
     index = None
@@ -101,7 +107,9 @@ def init_distributed(dist: DistEnv) -> Device:
         # With one GPU visible per task (Slurm's --gpus-per-task), that GPU is 0 whatever the local rank.
         index = dist.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
-    deepspeed.init_distributed(dist_backend="nccl" if device_type == "cuda" else "gloo")
+    deepspeed.init_distributed(
+        dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
     return Device(device_type, index)
 
 
@@ -234,6 +242,7 @@ class Trainer:
 
         self.train_loader, self.val_loader = self._build_loaders()
         self.runlog = RunLog(run_dir, enabled=dist.is_main)
+        self.first_batch_digest: str | None = None
 
     def _load_checkpoint(self) -> tuple[int, float]:
         ckpt_dir = self.run_dir / CHECKPOINT_DIR
@@ -286,12 +295,26 @@ class Trainer:
     def _client_state(self, epoch: int) -> dict[str, Any]:
         return {"epoch": epoch, "initial_val_loss": self.initial_val_loss, "config_name": self.name}
 
-    def _reduce_mean(self, interval: Interval) -> float:
-        """Mean training loss over the interval's micro-steps and over all ranks (a sync point)."""
+    def _gather_losses(self, interval: Interval) -> tuple[float, list[float]]:
+        """Training loss over the interval's micro-steps: the mean over all ranks, and each rank's (a sync point)."""
         count = torch.tensor(float(interval.micro_steps), dtype=torch.float64, device=self.engine.device)
-        totals = torch.stack([interval.loss_sum.double(), count])
-        torch_dist.all_reduce(totals)
-        return float(totals[0] / totals[1])
+        local = torch.stack([interval.loss_sum.double(), count])
+        per_rank = [torch.empty_like(local) for _ in range(self.dist.world_size)]
+        torch_dist.all_gather(per_rank, local)
+        totals = torch.stack(per_rank).cpu()
+        return float(totals[:, 0].sum() / totals[:, 1].sum()), (totals[:, 0] / totals[:, 1]).tolist()
+
+    def _rank_digests(self) -> dict[str, list[str]]:
+        """Per-rank sha256 of the weights (equal when ranks are in sync) and of the first batch drawn."""
+        weights = hashlib.sha256()
+        for p in self.engine.module.parameters():
+            weights.update(p.detach().float().cpu().numpy().tobytes())
+        gathered: list[Any] = [None] * self.dist.world_size
+        torch_dist.all_gather_object(gathered, (weights.hexdigest(), self.first_batch_digest))
+        digests = {"rank_weight_digests": [g[0] for g in gathered], "rank_first_batch_digests": [g[1] for g in gathered]}
+        if len(set(digests["rank_weight_digests"])) > 1:
+            log.error("the ranks' weights differ at the end of training: %s", digests["rank_weight_digests"])
+        return digests
 
     def train(self) -> dict[str, Any]:
         cfg, engine = self.cfg, self.engine
@@ -334,11 +357,16 @@ class Trainer:
             "samples_per_s": statistics.median(m["throughput/samples_per_s"] for m in measured) if measured else None,
             "data_wait_pct": statistics.median(m["data_wait_pct"] for m in measured) if measured else None,
             "world_size": self.dist.world_size,
+            "launched_by": self.dist.source,
+            "micro_batch": engine.train_micro_batch_size_per_gpu(),
+            "accumulation": engine.gradient_accumulation_steps(),
+            "global_batch": engine.train_batch_size(),
             "device": _device_name(self.device),
             "precision": precision_name(self.dtype),
             "storage": self.storage,
             "backend": self.cfg.backend,
             "parameters": self.num_parameters,
+            **self._rank_digests(),
         }
         if self.dist.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -358,6 +386,8 @@ class Trainer:
             except StopIteration:
                 break
             interval.data_wait_s += time.perf_counter() - wait_start
+            if self.first_batch_digest is None:  # once per run: which crops this rank drew
+                self.first_batch_digest = hashlib.sha256(inp.float().cpu().numpy().tobytes()).hexdigest()
             step_before = engine.global_steps
             interval.add(train_step(engine, inp, tar, cfg.lambda_rho))
             if engine.global_steps == step_before:
@@ -372,7 +402,7 @@ class Trainer:
 
     def _log_interval(self, epoch: int, interval: Interval, bar: tqdm) -> dict[str, float]:
         engine = self.engine
-        loss = self._reduce_mean(interval)  # synchronizes the device: the rate below is honest
+        loss, per_rank = self._gather_losses(interval)  # synchronizes the device: the rate below is honest
         elapsed = time.perf_counter() - interval.start
         rate = interval.steps * self.cfg.global_batch_size / elapsed
         lr = self.schedule.lr_at(self.schedule.steps_taken)  # what the last step used
@@ -385,7 +415,7 @@ class Trainer:
         }
         self.runlog.write(
             engine.global_steps, epoch=epoch + 1, samples=engine.global_steps * self.cfg.global_batch_size,
-            **{k: v for k, v in values.items() if v is not None},
+            **{"loss/train_per_rank": per_rank}, **{k: v for k, v in values.items() if v is not None},
         )  # fmt: skip
         bar.set_postfix(loss=f"{loss:.4f}", rate=f"{rate:.0f}/s")
         log.info(
