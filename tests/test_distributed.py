@@ -1,0 +1,159 @@
+"""Several ranks for real: the deepspeed launcher on CPU, and slurm/train.sbatch on a local Slurm cluster."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import REPO, TINY_ARGS
+
+DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_"))}
+
+
+def _args(tmp_path, run_dir, *extra):
+    data = tmp_path.parent / "dist-data"
+    return [*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"), "--run_dir", str(run_dir), *extra]
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("launcher", [[*DEEPSPEED, "--num_gpus", "2"], [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]], ids=["deepspeed", "torchrun"])  # fmt: skip
+def test_two_ranks_through_a_launcher(tmp_path, launcher):
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [*launcher, "ds_train.py", *_args(tmp_path, run, "--num_epochs", "2")],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = _summary(run)
+    assert (summary["world_size"], summary["launched_by"]) == (2, "launcher")
+    assert (summary["micro_batch"], summary["accumulation"], summary["global_batch"]) == (4, 1, 8)
+    assert summary["micro_batch"] * summary["accumulation"] * summary["world_size"] == summary["global_batch"]
+    weights, batches = summary["rank_weight_digests"], summary["rank_first_batch_digests"]
+    assert len(weights) == 2 and weights[0] == weights[1]  # the ranks ended in sync
+    assert batches[0] != batches[1]  # and drew different crops
+    for record in (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()):
+        if "loss/train" in record:
+            per_rank = record["loss/train_per_rank"]
+            assert record["loss/train"] == pytest.approx(sum(per_rank) / 2, rel=1e-12)  # the mean, not rank 0's
+            assert per_rank[0] != per_rank[1]
+
+
+def test_a_dead_rank_ends_the_job_promptly(tmp_path):
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [*DEEPSPEED, "--num_gpus", "2", "ds_train.py", *_args(tmp_path, run, "--num_epochs", "200")],
+        cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not (run / "metrics.jsonl").exists() or "loss/train" not in (run / "metrics.jsonl").read_text():
+            assert launcher.poll() is None and time.time() < deadline, "training did not start"
+            time.sleep(0.5)
+        rank1 = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "--local_rank=1" in p.cmdline()]
+        assert len(rank1) == 1
+        rank1[0].kill()  # SIGKILL: no chance to clean up, as when a node dies
+        killed = time.time()
+        code = launcher.wait(timeout=60)
+        assert code != 0
+        assert time.time() - killed < 60
+    finally:
+        for p in psutil.Process(launcher.pid).children(recursive=True) if launcher.poll() is None else []:
+            p.kill()
+        launcher.kill()
+
+
+# --- a real Slurm cluster on this machine -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """Starts a one-node Slurm cluster (tests/slurm/cluster.sh), or skips saying why it cannot."""
+    state = tmp_path_factory.mktemp("slurm")
+    script = REPO / "tests" / "slurm" / "cluster.sh"
+    started = subprocess.run(["bash", str(script), "start", str(state)], capture_output=True, text=True, timeout=60)
+    if started.returncode != 0:
+        subprocess.run(["bash", str(script), "stop", str(state)], capture_output=True)
+        pytest.skip(f"no local Slurm cluster: {started.stderr.strip() or started.stdout.strip()}")
+    env = {**_env(), "SLURM_CONF": str(state / "slurm.conf")}
+    yield env
+    subprocess.run(["bash", str(script), "stop", str(state)], capture_output=True, timeout=60)
+
+
+def _sbatch(env, tmp_path, extra_env, *args):
+    env = {**env, "RUNS_DIR": str(tmp_path / "runs"), "PYTHON": sys.executable, **extra_env}
+    out = subprocess.run(
+        ["sbatch", "--parsable", "-N", "1", "--ntasks-per-node", "2", "-o", str(tmp_path / "job-%j.out"),
+         "slurm/train.sbatch", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return out.stdout.strip().split(";")[0]
+
+
+def _wait(env, job, timeout=240):
+    """Poll scontrol (sbatch --wait polls slowly) until the job ends; its state and exit code."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        line = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if fields.get("JobState") not in (None, "PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            return fields["JobState"], fields["ExitCode"]
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], env=env)
+    raise AssertionError(f"job {job} did not end within {timeout} s")
+
+
+@pytest.mark.parametrize("launcher, launched_by", [("srun", "slurm"), ("deepspeed", "launcher")])
+def test_sbatch_trains_with_two_tasks(slurm, tmp_path, launcher, launched_by):
+    args = [a for a in _args(tmp_path, "unused", "--num_epochs", "2")]
+    args = args[: args.index("--run_dir")] + args[args.index("--run_dir") + 2 :]  # the script names the run dir
+    job = _sbatch(slurm, tmp_path, {"LAUNCHER": launcher}, *args)
+    state, exit_code = _wait(slurm, job)
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert (state, exit_code) == ("COMPLETED", "0:0"), log[-3000:]
+    (run,) = (tmp_path / "runs").glob(f"cosmo-emulator-{job}")
+    summary = _summary(run)
+    assert (summary["world_size"], summary["launched_by"]) == (2, launched_by)
+    assert summary["rank_weight_digests"][0] == summary["rank_weight_digests"][1]
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+
+
+def test_sbatch_job_fails_when_a_task_dies(slurm, tmp_path):
+    args = [a for a in _args(tmp_path, "unused", "--num_epochs", "200")]
+    args = args[: args.index("--run_dir")] + args[args.index("--run_dir") + 2 :]
+    job = _sbatch(slurm, tmp_path, {"LAUNCHER": "srun"}, *args)
+    deadline = time.time() + 120
+    while True:
+        runs = list((tmp_path / "runs").glob("*/metrics.jsonl")) if (tmp_path / "runs").exists() else []
+        if runs and "loss/train" in runs[0].read_text():
+            break
+        assert time.time() < deadline, "training did not start"
+        time.sleep(0.5)
+    victims = [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("SLURM_JOB_ID") == job
+               and (p.info["environ"] or {}).get("SLURM_PROCID") == "1" and "ds_train.py" in " ".join(p.cmdline())]  # fmt: skip
+    assert victims, "rank 1 not found"
+    victims[0].kill()
+    killed = time.time()
+    state, exit_code = _wait(slurm, job, timeout=90)
+    assert state == "FAILED" and exit_code != "0:0"
+    assert time.time() - killed < 90
+
+
+def test_hostfile_from_the_allocation(slurm, tmp_path):
+    script = tmp_path / "hostfile.sh"
+    script.write_text(f"#!/bin/bash\ncd {REPO}\nGPUS_PER_NODE=3 bash slurm/make_hostfile.sh\nbash slurm/make_hostfile.sh\n")
+    out = subprocess.run(["sbatch", "--parsable", "-n", "2", "-o", str(tmp_path / "h.out"), str(script)],
+                         env=slurm, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    assert _wait(slurm, out)[0] == "COMPLETED"
+    assert (tmp_path / "h.out").read_text().splitlines() == ["localhost slots=3", "localhost slots=2"]
+
