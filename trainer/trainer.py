@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+import psutil
 import torch
 import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
@@ -412,6 +413,10 @@ class Trainer:
             "throughput/samples_per_s": rate,
             "data_wait_pct": 100 * interval.data_wait_s / elapsed,
             "loss_scale": loss_scale(engine),
+            "memory/host_rss_mib": psutil.Process().memory_info().rss / 2**20,
+            "memory/device_peak_gib": (
+                torch.cuda.max_memory_allocated(self.device.index) / 2**30 if self.device.type == "cuda" else None
+            ),
         }
         self.runlog.write(
             engine.global_steps, epoch=epoch + 1, samples=engine.global_steps * self.cfg.global_batch_size,
