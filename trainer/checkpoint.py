@@ -1,0 +1,118 @@
+"""Checkpoints that are never lost: complete before they become the latest, the newest few kept.
+
+DeepSpeed writes a checkpoint into a directory named by its tag and then rewrites the file
+``latest``; a process killed in between can leave ``latest`` naming a half-written checkpoint, or
+``latest`` itself half-written. Here every rank writes into a hidden ``.<tag>.partial`` directory;
+only when all ranks are done does rank 0 rename it to ``<tag>`` and replace ``latest`` atomically
+(a new file renamed over the old). A kill at any moment leaves the previous checkpoint loadable.
+Tags are global steps (``step00000048``), so that their order is the order of training.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from trainer.errors import NumericalError
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST = "latest"
+_PREFIX = "step"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or loaded; the message says which and why."""
+
+
+def tag_for(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+def latest_tag(ckpt_dir: Path) -> str | None:
+    try:
+        tag = (ckpt_dir / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return tag or None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def weights_are_finite(engine: Any) -> bool:
+    """True on every rank when no rank holds a NaN or Inf weight (one reduction)."""
+    local = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
+    flag = torch.tensor([0.0 if local else 1.0], device=engine.device)
+    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
+    return flag.item() == 0.0
+
+
+def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], keep: int) -> str:
+    """Save the engine's state as the newest checkpoint, on every rank; returns its tag.
+
+    Refuses (NumericalError) to save weights that are not finite: a NaN model must not replace a
+    good checkpoint.
+    """
+    ckpt_dir = run_dir / CHECKPOINT_DIR
+    tag = tag_for(engine.global_steps)
+    if not weights_are_finite(engine):
+        raise NumericalError(f"weights at step {engine.global_steps} are not finite: not saving them (the last checkpoint is kept)")
+    partial = f".{tag}.partial"
+    engine.save_checkpoint(str(ckpt_dir), tag=partial, client_state=client_state, save_latest=False)
+    torch_dist.barrier()
+    if torch_dist.get_rank() == 0:
+        if (ckpt_dir / tag).exists():  # the same step saved before (a resumed run stopped again at once)
+            shutil.rmtree(ckpt_dir / tag)
+        os.replace(ckpt_dir / partial, ckpt_dir / tag)
+        _fsync_dir(ckpt_dir)
+        _write_atomically(ckpt_dir / LATEST, tag)
+        _prune(ckpt_dir, keep)
+    torch_dist.barrier()
+    return tag
+
+
+def _prune(ckpt_dir: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints; remove the rest and any partial leftovers."""
+    complete = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
+    for old in complete[:-keep]:
+        shutil.rmtree(old)
+    for leftover in ckpt_dir.glob(f".{_PREFIX}*.partial"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def load_checkpoint(engine: Any, run_dir: Path) -> dict[str, Any]:
+    """Load the latest checkpoint of ``run_dir`` into the engine; its client state."""
+    ckpt_dir = run_dir / CHECKPOINT_DIR
+    tag = latest_tag(ckpt_dir)
+    if tag is None:
+        raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}")
+    if not (ckpt_dir / tag).is_dir():
+        raise CheckpointError(f"--resume: {ckpt_dir / LATEST} names {tag}, which is missing")
+    try:
+        path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    except (RuntimeError, KeyError, ValueError, OSError, EOFError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"--resume: checkpoint {ckpt_dir / tag} does not fit this model: {first}") from None
+    if path is None:
+        raise CheckpointError(f"--resume: checkpoint {ckpt_dir / tag} could not be loaded")
+    return client_state
