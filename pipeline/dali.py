@@ -36,16 +36,23 @@ def rotation_arrays(draws: list[SampleDraw], augmenter: Augmenter) -> tuple[np.n
     )
 
 
+def _position(info: Any, first_epoch: int, first_batch: int, num_batches: int) -> tuple[int, int]:
+    """(epoch, batch) for DALI's (epoch_idx, iteration); the first epoch starts at ``first_batch``."""
+    batch = info.iteration + (first_batch if info.epoch_idx == 0 else 0)
+    if batch >= num_batches:
+        raise StopIteration
+    return first_epoch + info.epoch_idx, batch
+
+
 class _BatcherFeed:
     """External-source callback: the batcher's batch for DALI's (epoch, iteration)."""
 
-    def __init__(self, batcher: CropBatcher, first_epoch: int) -> None:
-        self.batcher, self.first_epoch = batcher, first_epoch
+    def __init__(self, batcher: CropBatcher, first_epoch: int, first_batch: int) -> None:
+        self.batcher, self.first_epoch, self.first_batch = batcher, first_epoch, first_batch
 
     def __call__(self, info: Any) -> tuple[np.ndarray, ...]:  # info: nvidia.dali.types.BatchInfo
-        if info.iteration >= self.batcher.plan.num_batches:
-            raise StopIteration
-        batch = self.batcher.get(self.first_epoch + info.epoch_idx, info.iteration)
+        epoch, index = _position(info, self.first_epoch, self.first_batch, self.batcher.plan.num_batches)
+        batch = self.batcher.get(epoch, index)
         if batch.rotated:
             return batch.inp, batch.tar
         return (batch.inp, batch.tar, *rotation_arrays(batch.draws, self.batcher.augmenter))
@@ -58,15 +65,13 @@ class _ResidentFeed:
     without copying (``no_copy``), and ``fn.slice`` cuts each sample's crop on the device.
     """
 
-    def __init__(self, nbody: Any, hydro: Any, plan: DrawPlan, augmenter: Augmenter, first_epoch: int) -> None:
+    def __init__(self, nbody: Any, hydro: Any, plan: DrawPlan, augmenter: Augmenter, first_epoch: int, first_batch: int) -> None:
         self.nbody, self.hydro, self.plan, self.augmenter = nbody, hydro, plan, augmenter
-        self.first_epoch = first_epoch
+        self.first_epoch, self.first_batch = first_epoch, first_batch
         self.half = str(nbody.dtype).removeprefix("torch.") == "float16"  # numpy or torch volumes
 
     def _draws(self, info: Any) -> list[SampleDraw]:
-        if info.iteration >= self.plan.num_batches:
-            raise StopIteration
-        return self.plan.batch_draws(self.first_epoch + info.epoch_idx, info.iteration)
+        return self.plan.batch_draws(*_position(info, self.first_epoch, self.first_batch, self.plan.num_batches))
 
     def volumes(self, info: Any) -> tuple[list[Any], list[Any]]:
         n = len(self._draws(info))
@@ -145,7 +150,8 @@ class DaliLoader:
 
     Inputs come in ``dtype`` (the engine's), targets in float32. Either ``batcher`` cuts the crops on
     CPU threads, or ``resident`` = (inputs, targets) volumes already on the device are cut here. With
-    ``rotate_on_device`` the graph rotates; otherwise the batcher must have (``rotate_here``).
+    ``rotate_on_device`` the graph rotates; otherwise the batcher must have (``rotate_here``). The
+    first epoch (``first_epoch``) starts at batch ``first_batch``: a run resumed part-way through it.
     """
 
     def __init__(
@@ -159,15 +165,16 @@ class DaliLoader:
         batcher: CropBatcher | None = None,
         resident: tuple[Any, Any] | None = None,
         first_epoch: int = 0,
+        first_batch: int = 0,
     ) -> None:
         if (batcher is None) == (resident is None):
             raise ValueError("DaliLoader takes a batcher or resident volumes, not both")
         if batcher is not None:
             if batcher.rotate_here == rotate_on_device and plan.rotate:
                 raise ValueError("exactly one of the batcher and the device must rotate")
-            feed: _BatcherFeed | _ResidentFeed = _BatcherFeed(batcher, first_epoch)
+            feed: _BatcherFeed | _ResidentFeed = _BatcherFeed(batcher, first_epoch, first_batch)
         else:
-            feed = _ResidentFeed(*resident, plan, augmenter, first_epoch)
+            feed = _ResidentFeed(*resident, plan, augmenter, first_epoch, first_batch)
         self.batcher = batcher
         self.num_batches = plan.num_batches
         self.dtype = dtype

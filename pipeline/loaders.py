@@ -111,13 +111,16 @@ def build_loader(
     device: torch.device,
     dtype: torch.dtype,
     first_epoch: int = 0,
+    first_batch: int = 0,
 ):
     """A DaliLoader or TorchLoader for ``plan`` over ``volumes``, kept as ``storage`` says.
 
     ``storage`` must already be what this device can do (see ``effective_storage``).
     """
     on_gpu = device.type == "cuda"
-    common = dict(plan=plan, augmenter=augmenter, dtype=dtype, rotate_on_device=on_gpu, first_epoch=first_epoch)
+    common = dict(
+        plan=plan, augmenter=augmenter, dtype=dtype, rotate_on_device=on_gpu, first_epoch=first_epoch, first_batch=first_batch
+    )
     if storage == "device":
         resident = to_device(volumes, device, settings.device_storage_dtype)
         sources = dict(resident=resident)

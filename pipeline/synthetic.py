@@ -32,6 +32,7 @@ import h5py
 import numpy as np
 
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, LOG_DENSITY_SCALE, NBODY_CHANNELS, NBODY_DATASET
+from pipeline.volumes import DataError
 
 
 def _param(default: float, help: str) -> Any:
@@ -173,11 +174,14 @@ def ensure_box(path: Path, spec: SyntheticSpec, which: str) -> bool:
     """
     box_size, seed = boxes(spec)[which]
     if path.exists():
-        with h5py.File(path, "r") as f:
-            found = {key: f.attrs.get(key) for key in ("generator", "spec", "box_size", "seed")}
+        try:
+            with h5py.File(path, "r") as f:
+                found = {key: f.attrs.get(key) for key in ("generator", "spec", "box_size", "seed")}
+        except OSError as err:
+            raise DataError(f"{path}: not a readable HDF5 file ({err}); delete it to have it generated again") from None
         wanted = _attributes(spec, box_size, seed)
         if any(found[key] != wanted[key] for key in found):
-            raise ValueError(
+            raise DataError(
                 f"{path} exists but was not generated from this config's synthetic spec; "
                 "delete it or point the config elsewhere"
             )

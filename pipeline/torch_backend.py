@@ -35,7 +35,8 @@ class TorchLoader:
     """Iterates over one epoch of (input, target) NCDHW tensors on ``device`` per ``for`` loop.
 
     Inputs come in ``dtype``, targets in float32, as from ``DaliLoader``, which this mirrors: either
-    ``batcher`` cuts the crops on CPU threads, or ``resident`` volumes on ``device`` are sliced here.
+    ``batcher`` cuts the crops on CPU threads, or ``resident`` volumes on ``device`` are sliced here;
+    the first epoch starts at ``first_batch``.
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class TorchLoader:
         batcher: CropBatcher | None = None,
         resident: tuple[torch.Tensor, torch.Tensor] | None = None,
         first_epoch: int = 0,
+        first_batch: int = 0,
     ) -> None:
         if (batcher is None) == (resident is None):
             raise ValueError("TorchLoader takes a batcher or resident volumes, not both")
@@ -57,7 +59,7 @@ class TorchLoader:
         self.plan, self.augmenter, self.device, self.dtype = plan, augmenter, device, dtype
         self.rotate_on_device = rotate_on_device and plan.rotate
         self.batcher, self.resident = batcher, resident
-        self.epoch = first_epoch
+        self.epoch, self.next_batch = first_epoch, first_batch
 
     def __len__(self) -> int:
         return self.plan.num_batches
@@ -92,7 +94,6 @@ class TorchLoader:
         return inp, tar
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for index in range(self.plan.num_batches):
+        for index in range(self.next_batch, self.plan.num_batches):
             yield self._batch(index)
-        if not self.plan.validation:
-            self.epoch += 1
+        self.epoch, self.next_batch = self.epoch + 1, 0

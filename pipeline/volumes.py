@@ -124,6 +124,20 @@ class VolumePair:
             raise DataError(f"{files.inputs}: crop size {crop_size} is larger than the box ({nbody.shape[1]}^3)")
         return cls(files, nbody, hydro)
 
+    def check_finite(self, crop_size: int, samples: int = 8, seed: int = 0) -> None:
+        """DataError if the volumes hold NaN or Inf: all of them up to 1 GiB, else ``samples`` random crops."""
+        if self.nbytes <= 2**30:
+            windows = [np.s_[...]]
+        else:
+            rng = np.random.default_rng(seed)
+            corners = rng.integers(0, self.box_size - crop_size + 1, size=(samples, 3))
+            windows = [_window(tuple(int(c) for c in corner), crop_size) for corner in corners]
+        for volume, path, name in ((self.nbody, self.files.inputs, "inputs"), (self.hydro, self.files.targets, "targets")):
+            for window in windows:
+                if not np.isfinite(volume[window]).all():
+                    where = "" if window == np.s_[...] else f" (in the {crop_size}^3 crop at {window[1].start, window[2].start, window[3].start})"
+                    raise DataError(f"{path}: the {name} hold NaN or Inf values{where}")
+
     def load(self) -> VolumePair:
         """The same volumes read into memory as contiguous float32 CDHW arrays."""
         return VolumePair(self.files, _to_memory(self.nbody), _to_memory(self.hydro))

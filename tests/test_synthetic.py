@@ -6,6 +6,7 @@ import pytest
 
 from pipeline.layout import HYDRO_CHANNELS, LOG_DENSITY_SCALE, NBODY_CHANNELS
 from pipeline.synthetic import SyntheticSpec, _expected_moments, _spectrum_shape, ensure_box, generate_box, write_box
+from pipeline.volumes import DataError
 
 SPEC = SyntheticSpec(train_box_size=32, val_box_size=32, seed=5)
 
@@ -92,5 +93,5 @@ def test_ensure_box_reuses_a_matching_file_and_refuses_another(tmp_path):
     path = tmp_path / "val.h5"
     assert ensure_box(path, SPEC, "val") is True
     assert ensure_box(path, SPEC, "val") is False
-    with pytest.raises(ValueError, match="not generated from this config"):
+    with pytest.raises(DataError, match="not generated from this config"):
         ensure_box(path, SyntheticSpec(train_box_size=32, val_box_size=32, seed=9), "val")
