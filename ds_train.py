@@ -14,6 +14,7 @@ import argparse
 import difflib
 import json
 import logging
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,12 +23,19 @@ from typing import Any
 import torch.distributed as torch_dist
 
 from pipeline.volumes import DataError
-from trainer.config import Config, ConfigError, build_config, leaf_keys, load_named, to_dict
+from trainer.checkpoint import CHECKPOINT_DIR, CheckpointError
+from trainer.config import Config, ConfigError, build_config, changes_on_resume, leaf_keys, load_named
 from trainer.dist import DistEnv, DistError
-from trainer.trainer import CHECKPOINT_DIR, Trainer, init_distributed, prepare_data, write_resolved_config
+from trainer.errors import NumericalError
+from trainer.preemption import PREEMPTED_EXIT, StopRequest
+from trainer.trainer import Trainer, init_distributed, prepare_data, write_resolved_config
 
 log = logging.getLogger("ds_train")
-USER_ERRORS = (ConfigError, DataError, DistError)
+# Exit statuses: 2 bad input (config, data, environment, checkpoint), 3 training diverged,
+# 75 stopped on request after a checkpoint (resume with --resume).
+USER_ERRORS = (ConfigError, DataError, DistError, CheckpointError)
+DIVERGED_EXIT = 3
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "train.log", "tensorboard", CHECKPOINT_DIR)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
@@ -37,6 +45,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     parser.add_argument("--yaml_config", type=Path, default=Path("ds_configs/UNet.yaml"), help="file of named configs")
     parser.add_argument("--run_dir", type=Path, help="run directory (default: runs/<config>-<date>-<time>)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --run_dir from its latest checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="start afresh in a --run_dir that holds an earlier run, deleting it")
+    parser.add_argument(
+        "--allow_config_change", action="store_true", help="with --resume: accept settings that change the training"
+    )
     parser.add_argument("--stop_after_epoch", type=int, help="stop after this epoch; the schedule still spans num_epochs")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     overrides = parser.add_argument_group("config keys (override the YAML)")
@@ -65,9 +77,12 @@ def resolve_config(args: argparse.Namespace, overrides: dict[str, str]) -> tuple
         raise ConfigError(f"--resume: {saved_path} not found; is {args.run_dir} a run directory?")
     saved = json.loads(saved_path.read_text())
     cfg = build_config(saved["config"], overrides)
-    changed = {k: v for k, v in to_dict(cfg).items() if saved["config"].get(k) != v}
-    if changed:
-        log.warning("resuming with changed settings: %s", ", ".join(f"{k}={v!r}" for k, v in changed.items()))
+    harmless, changing = changes_on_resume(saved["config"], cfg)
+    listing = lambda diff: ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())  # noqa: E731
+    if changing and not args.allow_config_change:
+        raise ConfigError(f"resuming with settings that change the training: {listing(changing)} (--allow_config_change accepts them)")
+    if harmless or changing:
+        log.warning("resuming with changed settings: %s", listing({**harmless, **changing}))
     return saved["name"], cfg
 
 
@@ -79,9 +94,19 @@ def resolve_run_dir(args: argparse.Namespace, name: str, dist: DistEnv) -> Path:
         stamp: list[Any] = [time.strftime("%Y%m%d-%H%M%S")]
         torch_dist.broadcast_object_list(stamp, src=0)  # ranks start at slightly different times
         run_dir = Path("runs") / f"{name}-{stamp[0]}"
-    ckpt_dir = run_dir / CHECKPOINT_DIR
-    if not args.resume and ckpt_dir.is_dir() and any(ckpt_dir.iterdir()):
-        raise ConfigError(f"{run_dir} already holds checkpoints: pass --resume to continue it, or choose another --run_dir")
+    earlier = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if earlier and not args.resume:
+        if not args.overwrite:
+            raise ConfigError(
+                f"{run_dir} holds an earlier run ({', '.join(earlier)}): --resume continues it, "
+                "--overwrite deletes it, or choose another --run_dir"
+            )
+        torch_dist.barrier()  # every rank has looked before rank 0 deletes
+        if dist.is_main:
+            log.warning("--overwrite: deleting the earlier run in %s", run_dir)
+            for name in earlier:
+                path = run_dir / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     torch_dist.barrier()
@@ -101,6 +126,10 @@ def configure_logging(rank: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     configure_logging(rank=0)  # until this process knows its rank, errors must show
+    if args.resume and args.overwrite:
+        log.error("--resume continues a run and --overwrite deletes it: pass one of them")
+        return 2
+    stop = StopRequest()  # SIGTERM / SIGUSR1: checkpoint at the next step boundary, then exit 75
     try:
         dist = DistEnv.from_environ()
         configure_logging(dist.rank)
@@ -118,14 +147,17 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger().addHandler(handler)
             log.info("run directory %s", run_dir)
         prepare_data(cfg, dist)
-        trainer = Trainer(cfg, name, dist, device, run_dir, args.resume, args.stop_after_epoch)
+        trainer = Trainer(cfg, name, dist, device, run_dir, args.resume, args.stop_after_epoch, stop)
         if dist.is_main:
             write_resolved_config(run_dir, name, cfg, trainer.ds_config, dist)
-        trainer.train()
+        summary = trainer.train()
     except USER_ERRORS as err:
         log.error("%s", err)
         return 2
-    return 0
+    except NumericalError as err:
+        log.error("%s", err)
+        return DIVERGED_EXIT
+    return PREEMPTED_EXIT if summary["preempted"] else 0
 
 
 if __name__ == "__main__":

@@ -5,15 +5,14 @@ from __future__ import annotations
 import os
 import platform
 import socket
-import subprocess
 import time
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+from trainer.provenance import REPO as REPO  # re-exported for the benchmarks
+from trainer.provenance import git_commit
 
 
 def _version(package: str) -> str | None:
@@ -32,19 +31,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def git_commit() -> str | None:
-    """HEAD, marked +dirty when code differs from it (documentation and results do not count)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--", ".", ":!*.md", ":!bench/results"],
-            cwd=REPO, capture_output=True, text=True,
-        ).stdout.strip()  # fmt: skip
-        return out.stdout.strip() + ("+dirty" if status else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def environment() -> dict[str, Any]:

@@ -112,10 +112,23 @@ class Config:
     checkpoint_keep: int = _field(3, "checkpoints kept in the run directory (the newest ones)")
     cpu_threads: Optional[int] = _field(None, "torch threads per rank on CPU (null: cores / ranks on this node)")
     dist_timeout_s: float = _field(600.0, "how long a collective waits for a missing rank before failing")
+    # Faults
+    nonfinite_loss: Literal["skip", "stop", "ignore"] = _field(
+        "skip",
+        "a NaN or Inf loss on any rank: skip that batch on every rank, stop the run, or do not check (ignore) "
+        "(checking costs one small reduction and one sync per step)",
+    )
+    max_nonfinite_in_a_row: int = _field(10, "with nonfinite_loss skip: stop after this many non-finite losses in a row")
+    data_checks: Literal["startup", "every_batch", "none"] = _field(
+        "startup",
+        "NaN/Inf in the data: check the volumes at start-up (all of them up to 1 GiB, else sampled crops), "
+        "also every batch (one reduction and sync per step), or none",
+    )
 
     def validate(self) -> None:
         positive = ["data_size", "Nsamples", "Nsamples_val", "num_epochs", "global_batch_size", "base_batch_size",
-                    "unet_width", "num_data_workers", "log_every_steps", "checkpoint_keep"]  # fmt: skip
+                    "unet_width", "num_data_workers", "log_every_steps", "checkpoint_keep",
+                    "max_nonfinite_in_a_row"]  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -175,8 +188,9 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         (inner,) = [o for o in options if o is not type(None)]
         return _convert(value, inner, key)
     if origin is Literal:
-        if value not in typing.get_args(hint):
-            raise ConfigError(f"{key} must be one of {list(typing.get_args(hint))}, got {value!r}")
+        if isinstance(value, bool) or value not in typing.get_args(hint):
+            hint_bool = " (YAML reads yes/no/on/off as booleans: quote the value)" if isinstance(value, bool) else ""
+            raise ConfigError(f"{key} must be one of {list(typing.get_args(hint))}, got {value!r}{hint_bool}")
         return value
     if origin is list:
         (inner,) = typing.get_args(hint)
@@ -298,3 +312,21 @@ def build_config(base: dict[str, Any], overrides: dict[str, str]) -> Config:
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+# What a resumed run may change without changing what it learns: where data and logs go, how fast
+# the input pipeline runs, how often it logs and checks. Anything else changes the training.
+RESUMABLE = {
+    "train_path", "val_path", "train_path_npy_data", "train_path_npy_label", "val_path_npy_data",
+    "val_path_npy_label", "storage", "device_storage_dtype", "backend", "num_data_workers", "data_prefetch",
+    "log_every_steps", "checkpoint_keep", "cpu_threads", "dist_timeout_s", "nonfinite_loss",
+    "max_nonfinite_in_a_row", "data_checks",
+}  # fmt: skip
+
+
+def changes_on_resume(saved: dict[str, Any], cfg: Config) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """(harmless, training-changing) differences between a run's saved config and the resumed one."""
+    now = to_dict(cfg)
+    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    harmless = {k: d for k, d in changed.items() if k in RESUMABLE}
+    return harmless, {k: d for k, d in changed.items() if k not in RESUMABLE}

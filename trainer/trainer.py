@@ -1,7 +1,7 @@
 """The training loop: a DeepSpeed engine fed by DALI, validated every epoch, checkpointed, resumable.
 
-``train_step``, ``evaluate`` and ``save_checkpoint`` are plain functions so that tests and the
-benchmarks call them instead of copying them.
+``train_step``, ``forward_loss``, ``backward_step`` and ``evaluate`` are plain functions so that
+tests and the benchmarks call them instead of copying them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -32,7 +31,8 @@ from model import UNet, unet_loss
 from pipeline.loaders import LoaderSettings, build_loader, check_memory, effective_storage
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import ensure_box
-from pipeline.volumes import VolumeFiles, VolumePair
+from pipeline.volumes import DataError, VolumeFiles, VolumePair
+from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import Config, ConfigError, to_dict
 from trainer.dist import DistEnv
 from trainer.engine import (
@@ -43,13 +43,23 @@ from trainer.engine import (
     resolve_ds_config,
     train_dtype,
 )
+from trainer.errors import NumericalError
 from trainer.lr_schedule import ScaledCosineSchedule, peak_lr, warmup_applies
+from trainer.preemption import StopRequest
+from trainer.provenance import git_commit
 from trainer.runlog import RunLog
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-_TAG_PREFIX = "epoch"
+
+def forward_loss(engine: Any, inp: torch.Tensor, tar: torch.Tensor, lambda_rho: float) -> torch.Tensor:
+    return unet_loss(engine(inp), tar, lambda_rho)
+
+
+def backward_step(engine: Any, loss: torch.Tensor) -> None:
+    """Backward, and at an accumulation boundary the optimizer step (DeepSpeed counts the micro-steps)."""
+    engine.backward(loss)
+    engine.step()
 
 
 def train_step(engine: Any, inp: torch.Tensor, tar: torch.Tensor, lambda_rho: float) -> torch.Tensor:
@@ -57,9 +67,8 @@ def train_step(engine: Any, inp: torch.Tensor, tar: torch.Tensor, lambda_rho: fl
 
     Returns the loss still on the device: reading it here would synchronize every step.
     """
-    loss = unet_loss(engine(inp), tar, lambda_rho)
-    engine.backward(loss)
-    engine.step()
+    loss = forward_loss(engine, inp, tar, lambda_rho)
+    backward_step(engine, loss)
     return loss.detach()
 
 
@@ -74,17 +83,6 @@ def evaluate(engine: Any, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], l
     engine.train()
     torch_dist.all_reduce(totals)
     return float(totals[0] / totals[1])
-
-
-def save_checkpoint(engine: Any, run_dir: Path, epoch: int, client_state: dict[str, Any], keep: int) -> None:
-    """Save a checkpoint tagged by epoch on every rank, then keep only the newest ``keep``."""
-    ckpt_dir = run_dir / CHECKPOINT_DIR
-    engine.save_checkpoint(str(ckpt_dir), tag=f"{_TAG_PREFIX}{epoch:04d}", client_state=client_state)
-    torch_dist.barrier()
-    if torch_dist.get_rank() == 0:
-        tags = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(_TAG_PREFIX))
-        for old in tags[:-keep]:
-            shutil.rmtree(old)
 
 
 @dataclass(frozen=True)
@@ -183,9 +181,11 @@ class Trainer:
         run_dir: Path,
         resume: bool,
         stop_after_epoch: int | None = None,
+        stop: StopRequest | None = None,
     ) -> None:
         self.cfg, self.name, self.dist, self.device, self.run_dir = cfg, name, dist, device, run_dir
         self.stop_after_epoch = stop_after_epoch
+        self.stop = stop
         if device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // dist.local_world_size))
         # Bad data, and data that cannot fit, are found before the engine is built, not after.
@@ -193,6 +193,9 @@ class Trainer:
             VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, cfg.data_size)
             for split in ("train", "val")
         )
+        if cfg.data_checks != "none":
+            for volumes in (self.train_volumes, self.val_volumes):
+                volumes.check_finite(cfg.data_size, seed=cfg.seed)
         self.loader_settings = LoaderSettings(
             cfg.backend, cfg.storage, cfg.device_storage_dtype, cfg.num_data_workers, cfg.data_prefetch
         )
@@ -237,23 +240,26 @@ class Trainer:
             raise ConfigError(f"DeepSpeed rejected {cfg.deepspeed_config}: {err}") from None
         self.dtype = train_dtype(self.engine)
 
-        self.start_epoch, self.initial_val_loss = 0, None
+        # Where training stands: epoch index, micro-batches of it done, and what the summary reports.
+        self.epoch, self.batch_in_epoch = 0, 0
+        self.initial_val_loss: float | None = None
+        self.nonfinite_losses, self.nonfinite_in_a_row = 0, 0
+        self.resumed_at: tuple[int, int] | None = None
         if resume:
-            self.start_epoch, self.initial_val_loss = self._load_checkpoint()
+            state = load_checkpoint(self.engine, run_dir)
+            self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+            self.initial_val_loss = float(state["initial_val_loss"])
+            self.nonfinite_losses = int(state.get("nonfinite_losses", 0))
+            self.resumed_at = (self.epoch, self.batch_in_epoch)
+            log.info(
+                "resumed at step %d: epoch %d, %d batch(es) into it", self.engine.global_steps, self.epoch + 1, self.batch_in_epoch
+            )
 
+        # One small collective per micro-step, when asked for: non-finite loss, bad batch, stop request.
+        self.check_each_step = cfg.nonfinite_loss != "ignore" or cfg.data_checks == "every_batch"
         self.train_loader, self.val_loader = self._build_loaders()
         self.runlog = RunLog(run_dir, enabled=dist.is_main)
         self.first_batch_digest: str | None = None
-
-    def _load_checkpoint(self) -> tuple[int, float]:
-        ckpt_dir = self.run_dir / CHECKPOINT_DIR
-        if not (ckpt_dir / "latest").is_file():
-            raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
-        path, client_state = self.engine.load_checkpoint(str(ckpt_dir))
-        if path is None:
-            raise ConfigError(f"--resume: the checkpoint in {ckpt_dir} could not be loaded")
-        log.info("resumed from %s after epoch %d (step %d)", path, client_state["epoch"], self.engine.global_steps)
-        return int(client_state["epoch"]), float(client_state["initial_val_loss"])
 
     def _build_loaders(self) -> tuple[Any, Any]:
         cfg, dist = self.cfg, self.dist
@@ -289,21 +295,69 @@ class Trainer:
         device = torch.device(self.device.type, self.device.index)
         common = dict(augmenter=augmenter, settings=self.loader_settings, storage=self.storage, device=device, dtype=self.dtype)
         return (
-            build_loader(self.train_volumes, train_plan, first_epoch=self.start_epoch, **common),
+            build_loader(self.train_volumes, train_plan, first_epoch=self.epoch, first_batch=self.batch_in_epoch, **common),
             build_loader(self.val_volumes, val_plan, **common),
         )
 
-    def _client_state(self, epoch: int) -> dict[str, Any]:
-        return {"epoch": epoch, "initial_val_loss": self.initial_val_loss, "config_name": self.name}
+    def _stop_requested_anywhere(self) -> bool:
+        """True on every rank when any rank was asked to stop (one small reduction)."""
+        flag = torch.tensor([float(self.stop is not None and self.stop.requested)], device=self.engine.device)
+        torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
+        return bool(flag.item())
 
-    def _gather_losses(self, interval: Interval) -> tuple[float, list[float]]:
-        """Training loss over the interval's micro-steps: the mean over all ranks, and each rank's (a sync point)."""
-        count = torch.tensor(float(interval.micro_steps), dtype=torch.float64, device=self.engine.device)
-        local = torch.stack([interval.loss_sum.double(), count])
+    def _agree_on_step(self, loss: torch.Tensor, inp: torch.Tensor, tar: torch.Tensor) -> tuple[bool, bool, bool]:
+        """(non-finite loss, non-finite batch, stop requested) on any rank: one reduction and one sync."""
+        zero = torch.zeros((), device=loss.device)
+        bad_batch = zero
+        if self.cfg.data_checks == "every_batch":
+            bad_batch = (~(torch.isfinite(inp).all() & torch.isfinite(tar).all())).float()
+        stop = zero + float(self.stop is not None and self.stop.requested)
+        flags = torch.stack([(~torch.isfinite(loss.detach())).float(), bad_batch, stop])
+        torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
+        nonfinite, bad, stop_any = (bool(v) for v in flags.tolist())
+        return nonfinite and self.cfg.nonfinite_loss != "ignore", bad, stop_any
+
+    def _on_nonfinite_loss(self, epoch: int) -> None:
+        """A NaN or Inf loss on some rank: every rank skips this micro-batch, or the run stops."""
+        self.nonfinite_losses += 1
+        self.nonfinite_in_a_row += 1
+        where = f"epoch {epoch + 1}, batch {self.batch_in_epoch}, after step {self.engine.global_steps}"
+        if self.cfg.nonfinite_loss == "stop":
+            raise NumericalError(f"non-finite loss at {where} (nonfinite_loss: stop)")
+        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_in_a_row:
+            raise NumericalError(
+                f"{self.nonfinite_in_a_row} non-finite losses in a row, the last at {where}: stopping "
+                f"(max_nonfinite_in_a_row {self.cfg.max_nonfinite_in_a_row})"
+            )
+        log.warning("non-finite loss at %s: batch skipped (%d so far)", where, self.nonfinite_losses)
+
+    def _save(self) -> None:
+        state = {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "initial_val_loss": self.initial_val_loss,
+            "nonfinite_losses": self.nonfinite_losses,
+            "config_name": self.name,
+        }
+        tag = save_checkpoint(self.engine, self.run_dir, state, self.cfg.checkpoint_keep)
+        log.info("checkpoint %s saved", tag)
+
+    def _gather_losses(self, interval: Interval) -> tuple[float, list[float], bool]:
+        """Training loss over the interval: the mean over ranks, each rank's, and whether any rank must stop.
+
+        One all_gather, which synchronizes the device: log points are where that is paid.
+        """
+        local = torch.tensor(
+            [0.0, float(interval.micro_steps), float(self.stop is not None and self.stop.requested)],
+            dtype=torch.float64, device=self.engine.device,
+        )  # fmt: skip
+        if interval.loss_sum is not None:
+            local[0] = interval.loss_sum.double()
         per_rank = [torch.empty_like(local) for _ in range(self.dist.world_size)]
         torch_dist.all_gather(per_rank, local)
         totals = torch.stack(per_rank).cpu()
-        return float(totals[:, 0].sum() / totals[:, 1].sum()), (totals[:, 0] / totals[:, 1]).tolist()
+        mean = float(totals[:, 0].sum() / totals[:, 1].sum()) if totals[:, 1].sum() else float("nan")
+        return mean, (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist(), bool(totals[:, 2].max())
 
     def _rank_digests(self) -> dict[str, list[str]]:
         """Per-rank sha256 of the weights (equal when ranks are in sync) and of the first batch drawn."""
@@ -333,15 +387,25 @@ class Trainer:
             log.info("initial validation loss %.5f", self.initial_val_loss)
 
         intervals: list[dict[str, float]] = []
-        val_loss = self.initial_val_loss
+        val_loss: float | None = None if self.resumed_at else self.initial_val_loss
+        stopped = False
         show_bar = self.dist.is_main and sys.stderr.isatty()
         with logging_redirect_tqdm():  # log lines print above the progress bar
-            for epoch in range(self.start_epoch, last_epoch):
-                self._train_epoch(epoch, intervals, show_bar)
+            while self.epoch < last_epoch and not stopped:
+                stopped = self._train_epoch(intervals, show_bar)
+                if stopped:
+                    break
                 val_loss = evaluate(engine, self.val_loader, cfg.lambda_rho)
-                self.runlog.write(engine.global_steps, epoch=epoch + 1, **{"loss/valid": val_loss})
-                log.info("epoch %d/%d: validation loss %.5f", epoch + 1, cfg.num_epochs, val_loss)
-                save_checkpoint(engine, self.run_dir, epoch + 1, self._client_state(epoch + 1), cfg.checkpoint_keep)
+                self.runlog.write(engine.global_steps, epoch=self.epoch + 1, **{"loss/valid": val_loss})
+                log.info("epoch %d/%d: validation loss %.5f", self.epoch + 1, cfg.num_epochs, val_loss)
+                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+                self._save()
+                stopped = self.epoch < last_epoch and self._stop_requested_anywhere()
+        if stopped:
+            log.warning(
+                "stopped on request (%s) at step %d after a checkpoint: continue with --resume",
+                self.stop.signal_name or "another rank's signal", engine.global_steps,
+            )  # fmt: skip
 
         # The first interval holds start-up work (kernel selection, first batches): not a rate.
         measured = intervals[1:] or intervals
@@ -349,11 +413,13 @@ class Trainer:
             "config": self.name,
             "initial_val_loss": self.initial_val_loss,
             "final_val_loss": val_loss,
-            "epochs": last_epoch,
-            "finished": last_epoch == cfg.num_epochs,
-            "resumed_from_epoch": self.start_epoch or None,
+            "epochs": self.epoch,
+            "finished": self.epoch == cfg.num_epochs,
+            "preempted": stopped,
+            "resumed_from": None if self.resumed_at is None else {"epoch": self.resumed_at[0], "batch_in_epoch": self.resumed_at[1]},
             "steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps,
+            "nonfinite_losses": self.nonfinite_losses,
             "wall_s": round(time.perf_counter() - wall_start, 3),
             "samples_per_s": statistics.median(m["throughput/samples_per_s"] for m in measured) if measured else None,
             "data_wait_pct": statistics.median(m["data_wait_pct"] for m in measured) if measured else None,
@@ -372,13 +438,19 @@ class Trainer:
         if self.dist.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.runlog.close()
-        log.info("done: validation loss %.5f -> %.5f in %.1f s", self.initial_val_loss, val_loss, summary["wall_s"])
+        torch_dist.barrier()  # no rank leaves before rank 0 has written: under srun, the first to exit ends the step
+        if not stopped:
+            log.info("done: validation loss %.5f -> %.5f in %.1f s", self.initial_val_loss, val_loss, summary["wall_s"])
         return summary
 
-    def _train_epoch(self, epoch: int, intervals: list[dict[str, float]], show_bar: bool) -> None:
+    def _train_epoch(self, intervals: list[dict[str, float]], show_bar: bool) -> bool:
+        """Train the rest of epoch ``self.epoch``; True when stopped on request (after a checkpoint)."""
         cfg, engine = self.cfg, self.engine
-        bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {epoch + 1}/{cfg.num_epochs}", disable=not show_bar, leave=False)
+        done_steps = self.batch_in_epoch // engine.gradient_accumulation_steps()
+        bar = tqdm(total=self.steps_per_epoch, initial=done_steps, desc=f"epoch {self.epoch + 1}/{cfg.num_epochs}",
+                   disable=not show_bar, leave=False)  # fmt: skip
         interval = Interval(time.perf_counter())
+        stop = False
         batches = iter(self.train_loader)
         while True:
             wait_start = time.perf_counter()  # time blocked on the pipeline: what it costs the step
@@ -387,23 +459,48 @@ class Trainer:
             except StopIteration:
                 break
             interval.data_wait_s += time.perf_counter() - wait_start
+            self.batch_in_epoch += 1
             if self.first_batch_digest is None:  # once per run: which crops this rank drew
                 self.first_batch_digest = hashlib.sha256(inp.float().cpu().numpy().tobytes()).hexdigest()
+            loss = forward_loss(engine, inp, tar, cfg.lambda_rho)
+            if self.check_each_step:
+                nonfinite, bad_batch, stop_now = self._agree_on_step(loss, inp, tar)
+                stop = stop or stop_now
+                if bad_batch:
+                    raise DataError(
+                        f"a training batch holds NaN or Inf values (epoch {self.epoch + 1}, batch {self.batch_in_epoch}); "
+                        "data_checks: every_batch"
+                    )
+                if nonfinite:
+                    self._on_nonfinite_loss(self.epoch)
+                    continue  # on every rank alike: no backward, no step for this micro-batch
+                self.nonfinite_in_a_row = 0
             step_before = engine.global_steps
-            interval.add(train_step(engine, inp, tar, cfg.lambda_rho))
+            backward_step(engine, loss)
+            interval.add(loss.detach())
             if engine.global_steps == step_before:
                 continue  # inside a gradient accumulation
             interval.steps += 1
             bar.update(1)
-            steps_in_epoch = engine.global_steps - epoch * self.steps_per_epoch
-            if engine.global_steps % cfg.log_every_steps == 0 or steps_in_epoch == self.steps_per_epoch:
-                intervals.append(self._log_interval(epoch, interval, bar))
+            if engine.global_steps % cfg.log_every_steps == 0:
+                values = self._log_interval(interval, bar)
+                stop = stop or bool(values.pop("stop"))
+                intervals.append(values)
                 interval = Interval(time.perf_counter())
+            if stop:  # at an optimizer-step boundary, agreed by every rank
+                bar.close()
+                self._save()
+                return True
+        if interval.steps:
+            values = self._log_interval(interval, bar)
+            stop = bool(values.pop("stop"))
+            intervals.append(values)
         bar.close()
+        return False
 
-    def _log_interval(self, epoch: int, interval: Interval, bar: tqdm) -> dict[str, float]:
+    def _log_interval(self, interval: Interval, bar: tqdm) -> dict[str, float]:
         engine = self.engine
-        loss, per_rank = self._gather_losses(interval)  # synchronizes the device: the rate below is honest
+        loss, per_rank, stop = self._gather_losses(interval)  # synchronizes the device: the rate below is honest
         elapsed = time.perf_counter() - interval.start
         rate = interval.steps * self.cfg.global_batch_size / elapsed
         lr = self.schedule.lr_at(self.schedule.steps_taken)  # what the last step used
@@ -413,23 +510,25 @@ class Trainer:
             "throughput/samples_per_s": rate,
             "data_wait_pct": 100 * interval.data_wait_s / elapsed,
             "loss_scale": loss_scale(engine),
+            "skipped_steps": engine.skipped_steps,
+            "nonfinite_losses": self.nonfinite_losses,
             "memory/host_rss_mib": psutil.Process().memory_info().rss / 2**20,
             "memory/device_peak_gib": (
                 torch.cuda.max_memory_allocated(self.device.index) / 2**30 if self.device.type == "cuda" else None
             ),
         }
         self.runlog.write(
-            engine.global_steps, epoch=epoch + 1, samples=engine.global_steps * self.cfg.global_batch_size,
+            engine.global_steps, epoch=self.epoch + 1, samples=engine.global_steps * self.cfg.global_batch_size,
             **{"loss/train_per_rank": per_rank}, **{k: v for k, v in values.items() if v is not None},
         )  # fmt: skip
         bar.set_postfix(loss=f"{loss:.4f}", rate=f"{rate:.0f}/s")
         log.info(
             "epoch %d step %d: loss %.5f, lr %.3g, %.1f samples/s, %.0f%% waiting for data",
-            epoch + 1, engine.global_steps, loss, lr, rate, values["data_wait_pct"],
+            self.epoch + 1, engine.global_steps, loss, lr, rate, values["data_wait_pct"],
         )  # fmt: skip
-        return values
+        return {**values, "stop": stop}
 
 
 def write_resolved_config(run_dir: Path, name: str, cfg: Config, ds_config: dict[str, Any], dist: DistEnv) -> None:
-    record = {"name": name, "world_size": dist.world_size, "config": to_dict(cfg), "deepspeed": ds_config}
+    record = {"name": name, "commit": git_commit(), "world_size": dist.world_size, "config": to_dict(cfg), "deepspeed": ds_config}
     (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
