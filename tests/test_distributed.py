@@ -100,6 +100,23 @@ def _sbatch(env, tmp_path, extra_env, *args):
     return out.stdout.strip().split(";")[0]
 
 
+def _job_args(tmp_path, epochs):
+    """The tiny run's arguments without --run_dir: the batch script names the run directory."""
+    args = _args(tmp_path, "unused", "--num_epochs", str(epochs))
+    i = args.index("--run_dir")
+    return args[:i] + args[i + 2 :]
+
+
+def _wait_for_training(runs_dir, timeout=120):
+    deadline = time.time() + timeout
+    while True:
+        metrics = list(runs_dir.glob("*/metrics.jsonl")) if runs_dir.exists() else []
+        if metrics and "loss/train" in metrics[0].read_text():
+            return
+        assert time.time() < deadline, "training did not start"
+        time.sleep(0.1)
+
+
 def _wait(env, job, timeout=240):
     """Poll scontrol (sbatch --wait polls slowly) until the job ends; its state and exit code."""
     deadline = time.time() + timeout
@@ -115,9 +132,7 @@ def _wait(env, job, timeout=240):
 
 @pytest.mark.parametrize("launcher, launched_by", [("srun", "slurm"), ("deepspeed", "launcher")])
 def test_sbatch_trains_with_two_tasks(slurm, tmp_path, launcher, launched_by):
-    args = [a for a in _args(tmp_path, "unused", "--num_epochs", "2")]
-    args = args[: args.index("--run_dir")] + args[args.index("--run_dir") + 2 :]  # the script names the run dir
-    job = _sbatch(slurm, tmp_path, {"LAUNCHER": launcher}, *args)
+    job = _sbatch(slurm, tmp_path, {"LAUNCHER": launcher}, *_job_args(tmp_path, 2))
     state, exit_code = _wait(slurm, job)
     log = (tmp_path / f"job-{job}.out").read_text()
     assert (state, exit_code) == ("COMPLETED", "0:0"), log[-3000:]
@@ -129,16 +144,8 @@ def test_sbatch_trains_with_two_tasks(slurm, tmp_path, launcher, launched_by):
 
 
 def test_sbatch_job_fails_when_a_task_dies(slurm, tmp_path):
-    args = [a for a in _args(tmp_path, "unused", "--num_epochs", "200")]
-    args = args[: args.index("--run_dir")] + args[args.index("--run_dir") + 2 :]
-    job = _sbatch(slurm, tmp_path, {"LAUNCHER": "srun"}, *args)
-    deadline = time.time() + 120
-    while True:
-        runs = list((tmp_path / "runs").glob("*/metrics.jsonl")) if (tmp_path / "runs").exists() else []
-        if runs and "loss/train" in runs[0].read_text():
-            break
-        assert time.time() < deadline, "training did not start"
-        time.sleep(0.5)
+    job = _sbatch(slurm, tmp_path, {"LAUNCHER": "srun"}, *_job_args(tmp_path, 200))
+    _wait_for_training(tmp_path / "runs")
     victims = [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("SLURM_JOB_ID") == job
                and (p.info["environ"] or {}).get("SLURM_PROCID") == "1" and "ds_train.py" in " ".join(p.cmdline())]  # fmt: skip
     assert victims, "rank 1 not found"
@@ -157,3 +164,18 @@ def test_hostfile_from_the_allocation(slurm, tmp_path):
     assert _wait(slurm, out)[0] == "COMPLETED"
     assert (tmp_path / "h.out").read_text().splitlines() == ["localhost slots=3", "localhost slots=2"]
 
+
+
+def test_sbatch_stops_on_the_time_limit_signal_and_requeues_itself(slurm, tmp_path):
+    # What `--signal=B:USR1@300` does before the time limit, sent now: the batch shell gets SIGUSR1.
+    job = _sbatch(slurm, tmp_path, {"LAUNCHER": "srun"}, *_job_args(tmp_path, 4))
+    _wait_for_training(tmp_path / "runs")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
+    time.sleep(2)  # let the requeue happen before polling for the end
+    state, exit_code = _wait(slurm, job, timeout=180)
+    log = (tmp_path / f"job-{job}.out").read_text()
+    assert (state, exit_code) == ("COMPLETED", "0:0"), log[-3000:]
+    assert "requeueing job" in log and "(restart 1)" in log and "--resume" in log
+    (run,) = (tmp_path / "runs").glob(f"cosmo-emulator-{job}")
+    summary = _summary(run)
+    assert summary["finished"] and summary["resumed_from"] is not None and summary["steps"] == 64

@@ -56,8 +56,8 @@ def test_training_learns_and_leaves_a_complete_run_dir(straight):
     assert [e.step for e in acc.Scalars("loss/valid")] == [0, 16, 32, 48]
 
     checkpoints = sorted(p.name for p in (straight / "checkpoints").iterdir())
-    assert checkpoints == ["epoch0001", "epoch0002", "epoch0003", "latest"]
-    assert (straight / "checkpoints" / "latest").read_text().strip() == "epoch0003"
+    assert checkpoints == ["latest", "step00000016", "step00000032", "step00000048"]  # one per epoch, by global step
+    assert (straight / "checkpoints" / "latest").read_text().strip() == "step00000048"
     assert "validation loss" in (straight / "train.log").read_text()
 
 
@@ -68,7 +68,8 @@ def test_resume_continues_exactly(tmp_path, straight):
     _ok(run_train(["--run_dir", str(run), "--resume"]))
     resumed = json.loads((run / "summary.json").read_text())
     expected = json.loads((straight / "summary.json").read_text())
-    assert (resumed["epochs"], resumed["steps"], resumed["resumed_from_epoch"]) == (3, 48, 2)
+    assert (resumed["epochs"], resumed["steps"]) == (3, 48)
+    assert resumed["resumed_from"] == {"epoch": 2, "batch_in_epoch": 0}
     assert resumed["initial_val_loss"] == expected["initial_val_loss"]
     assert resumed["final_val_loss"] == expected["final_val_loss"]  # bit for bit: same draws, same state
 
@@ -87,7 +88,7 @@ def test_a_new_run_never_reuses_a_run_dir_with_checkpoints(straight, tmp_path):
     before = sorted(p.stat().st_mtime_ns for p in (straight / "checkpoints").rglob("*"))
     result = run_train(_args(tmp_path, straight, "--num_epochs", "1"))
     assert result.returncode == 2
-    assert "already holds checkpoints: pass --resume" in result.stderr
+    assert "holds an earlier run (config.json, metrics.jsonl, summary.json, train.log, tensorboard, checkpoints): --resume" in result.stderr
     assert sorted(p.stat().st_mtime_ns for p in (straight / "checkpoints").rglob("*")) == before
 
 

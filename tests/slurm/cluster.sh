@@ -32,6 +32,7 @@ SlurmctldHost=localhost(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=5  # a requeued job waits this long before it may start again (default 120 s)
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none

@@ -1,0 +1,263 @@
+"""Faults provoked for real: bad input, kills during a save, stop signals, NaNs in data and losses."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, TINY_ARGS, run_train
+from trainer.hostfile import HostfileError, parse_hostfile
+
+TRAIN_ENV = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The tiny boxes, written by a first short run."""
+    root = tmp_path_factory.mktemp("reliability")
+    paths = {"train": root / "train.h5", "val": root / "val.h5"}
+    result = run_train([*TINY_ARGS, "--train_path", str(paths["train"]), "--val_path", str(paths["val"]),
+                        "--run_dir", str(root / "first"), "--num_epochs", "1"])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return paths
+
+
+def _args(data, run_dir, *extra, train=None):
+    return [*TINY_ARGS, "--train_path", str(train or data["train"]), "--val_path", str(data["val"]),
+            "--run_dir", str(run_dir), *extra]  # fmt: skip
+
+
+def _one_error_line(result, code=2):
+    assert result.returncode == code, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return errors[0]
+
+
+def _with_nan(data, tmp_path, region=np.s_[0, 5:7, 5:7, 5:7], dataset="Nbody"):
+    path = tmp_path / "nan.h5"
+    shutil.copy(data["train"], path)
+    with h5py.File(path, "a") as f:
+        values = f[dataset][...]
+        values[region] = np.nan
+        f[dataset][...] = values
+    return path
+
+
+# --- bad input: one line, exit 2, before expensive work --------------------------------------------------
+
+
+def test_nan_in_the_data_is_found_at_start_up(data, tmp_path):
+    bad = _with_nan(data, tmp_path, dataset="Hydro")
+    line = _one_error_line(run_train(_args(data, tmp_path / "run", "--num_epochs", "1", train=bad)))
+    assert f"{bad}: the targets hold NaN or Inf values" in line
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_truncated_hdf5(data, tmp_path):
+    bad = tmp_path / "truncated.h5"
+    bad.write_bytes(data["train"].read_bytes()[: 200_000])
+    assert f"{bad}: not a readable HDF5 file" in _one_error_line(run_train(_args(data, tmp_path / "run", train=bad)))
+
+
+def test_malformed_yaml_and_unknown_keys_in_a_file(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("mine:\n  num_epochs: [3\n")
+    assert "is not valid YAML" in _one_error_line(run_train(["--yaml_config", str(broken), "--config", "mine"]))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("mine:\n  num_epoch: 3\n")
+    line = _one_error_line(run_train(["--yaml_config", str(typo), "--config", "mine"]))
+    assert "unknown key 'num_epoch' (did you mean 'num_epochs'?)" in line
+
+
+def test_deepspeed_json_inconsistent_with_the_batch(data, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 99}))
+    line = _one_error_line(run_train(_args(data, tmp_path / "run", "--deepspeed_config", str(ds))))
+    assert "train_batch_size=99, but the experiment's batch settings give 8" in line
+
+
+def test_malformed_hostfiles(tmp_path):
+    cases = {
+        "nodeA slots=4\nnodeB slots four\n": "line 2: expected '<hostname> slots=<ranks>', got 'nodeB slots four'",
+        "nodeA slots=0\n": "line 1: nodeA has slots=0",
+        "nodeA slots=4\n# comment\nnodeA slots=4\n": "line 3: nodeA is listed twice",
+        "# nothing\n\n": "no hosts",
+    }
+    for text, message in cases.items():
+        path = tmp_path / "hostfile"
+        path.write_text(text)
+        with pytest.raises(HostfileError, match=message):
+            parse_hostfile(path)
+    assert parse_hostfile(REPO / "hostfiles" / "two_nodes_4gpu") == [("nid001001", 4), ("nid001002", 4)]
+    cli = subprocess.run([sys.executable, "-m", "trainer.hostfile", str(path)], cwd=REPO, capture_output=True, text=True)
+    assert cli.returncode == 2 and cli.stderr.strip().endswith("no hosts (every line is blank or a comment)")
+
+
+# --- resuming: missing, incompatible or changed ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished(data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("finished") / "run"
+    assert run_train(_args(data, run, "--num_epochs", "2")).returncode == 0
+    return run
+
+
+def _snapshot(run):
+    return {p.relative_to(run): p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
+
+
+def test_resume_refuses_an_incompatible_checkpoint_and_keeps_it(finished):
+    before = _snapshot(finished)
+    result = run_train(["--run_dir", str(finished), "--resume", "--unet_width", "8", "--allow_config_change"])
+    assert "does not fit this model" in _one_error_line(result)
+    assert _snapshot(finished) == before
+
+
+def test_resume_refuses_changes_to_the_training_but_reports_harmless_ones(finished, tmp_path):
+    line = _one_error_line(run_train(["--run_dir", str(finished), "--resume", "--num_epochs", "5", "--lambda_rho", "0.1"]))
+    assert "settings that change the training: lambda_rho 0.0 -> 0.1, num_epochs 2 -> 5" in line
+    copy = tmp_path / "copy"
+    shutil.copytree(finished, copy)
+    result = run_train(["--run_dir", str(copy), "--resume", "--log_every_steps", "8"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resuming with changed settings: log_every_steps 4 -> 8" in result.stderr
+
+
+def test_overwrite_is_explicit(finished, data, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(finished, copy)
+    assert "--resume continues a run and --overwrite deletes it" in _one_error_line(
+        run_train(["--run_dir", str(copy), "--resume", "--overwrite"])
+    )
+    result = run_train(_args(data, copy, "--num_epochs", "1", "--overwrite"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((copy / "summary.json").read_text())["epochs"] == 1
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["latest", "step00000016"]
+
+
+# --- checkpoints are never lost --------------------------------------------------------------------------
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint(data, tmp_path):
+    # A model big enough (25 M parameters, about 300 MB of checkpoint) that a save takes a while.
+    run = tmp_path / "run"
+    args = _args(data, run, "--unet_width", "64", "--Nsamples", "16", "--Nsamples_val", "8", "--num_epochs", "3")
+    proc = subprocess.Popen([sys.executable, "ds_train.py", *args], cwd=REPO, env=TRAIN_ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    ckpt = run / "checkpoints"
+    try:
+        deadline = time.time() + 240
+        while not (ckpt / "step00000002").is_dir():
+            assert proc.poll() is None and time.time() < deadline, "the first checkpoint never appeared"
+            time.sleep(0.01)
+        while not any(ckpt.glob(".step00000004.partial")):
+            assert proc.poll() is None and time.time() < deadline, "the second save never started"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)  # in the middle of writing the second checkpoint
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert (ckpt / "latest").read_text() == "step00000002"
+    assert not (ckpt / "step00000004").exists()
+    result = run_train(["--run_dir", str(run), "--resume"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == {"epoch": 1, "batch_in_epoch": 0} and summary["finished"]
+    assert not list(ckpt.glob(".*.partial"))  # the leftover was cleaned up by the next save
+
+
+# --- stopping on request -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_stop_signal_checkpoints_exits_75_and_resume_continues_exactly(data, finished, tmp_path, sig):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "ds_train.py", *_args(data, run, "--num_epochs", "2")], cwd=REPO,
+                            env=TRAIN_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() or '"step": 20,' not in (run / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 75, stderr[-2000:]
+    assert f"stopped on request ({sig.name})" in stderr
+    stopped = json.loads((run / "summary.json").read_text())
+    step = int((run / "checkpoints" / "latest").read_text().removeprefix("step"))
+    assert stopped["preempted"] and not stopped["finished"] and stopped["steps"] == step and 20 <= step < 32
+    result = run_train(["--run_dir", str(run), "--resume"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["resumed_from"] == {"epoch": 1, "batch_in_epoch": step - 16} and resumed["steps"] == 32
+    # Bit for bit where the uninterrupted two-epoch run ended.
+    assert resumed["final_val_loss"] == json.loads((finished / "summary.json").read_text())["final_val_loss"]
+
+
+# --- numerical faults --------------------------------------------------------------------------------------
+
+
+def test_nonfinite_losses_are_skipped_and_counted(data, tmp_path):
+    bad = _with_nan(data, tmp_path)  # a few NaN voxels: the batches whose crops cover them give a NaN loss
+    result = run_train(_args(data, tmp_path / "run", "--num_epochs", "2", "--data_checks", "none", train=bad))
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["nonfinite_losses"] > 0 and summary["steps"] == 32 - summary["nonfinite_losses"]
+    assert np.isfinite(summary["final_val_loss"]) and summary["final_val_loss"] < summary["initial_val_loss"]
+    assert "non-finite loss at epoch" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--nonfinite_loss", "stop"], "non-finite loss at epoch 1"),
+        (["--nonfinite_loss", "skip", "--max_nonfinite_in_a_row", "3", "--region", "all"], "3 non-finite losses in a row"),
+        (["--nonfinite_loss", "ignore"], "weights at step 16 are not finite: not saving them"),
+    ],
+)
+def test_nonfinite_losses_stop_the_run_as_configured(data, tmp_path, extra, message):
+    region = np.s_[...] if "all" in extra else np.s_[0, 5:7, 5:7, 5:7]
+    extra = [e for e in extra if e not in ("--region", "all")]
+    bad = _with_nan(data, tmp_path, region=region)
+    run = tmp_path / "run"
+    line = _one_error_line(run_train(_args(data, run, *extra, "--num_epochs", "1", "--data_checks", "none", train=bad)), code=3)
+    assert message in line
+    assert not list((run / "checkpoints").glob("step*")) if (run / "checkpoints").exists() else True  # nothing NaN saved
+
+
+def test_every_batch_data_check_catches_data_that_changes_under_a_run(data, tmp_path):
+    # The start-up check passes; then another job overwrites the (memory-mapped, lazily read) inputs with NaNs.
+    from pipeline.convert import convert
+
+    inputs, targets = convert(data["train"], tmp_path / "train", "CDHW")
+    val_in, val_tar = convert(data["val"], tmp_path / "val", "CDHW")
+    run = tmp_path / "run"
+    args = [*TINY_ARGS, "--synthetic", "null", "--data_format", "npy", "--storage", "lazy", "--data_checks", "every_batch",
+            "--train_path_npy_data", str(inputs), "--train_path_npy_label", str(targets), "--val_path_npy_data",
+            str(val_in), "--val_path_npy_label", str(val_tar), "--run_dir", str(run), "--num_epochs", "50"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "ds_train.py", *args], cwd=REPO, env=TRAIN_ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() or "loss/train" not in (run / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.time() < deadline, "training did not start"
+        time.sleep(0.05)
+    volume = np.load(inputs, mmap_mode="r+")
+    volume[...] = np.nan
+    volume.flush()
+    _, stderr = proc.communicate(timeout=120)
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+    assert "a training batch holds NaN or Inf values" in _one_error_line(result)
+
+
+def test_yaml_booleans_get_a_hint():
+    from trainer.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="data_checks must be one of .* got False \\(YAML reads yes/no/on/off as booleans"):
+        build_config({"data_checks": False}, {})
