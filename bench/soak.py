@@ -1,0 +1,79 @@
+"""Host memory under a long run: is it flat, or does something grow epoch after epoch?
+
+    python -m bench.soak --minutes 30              # trains the debug config that long, then reports
+    python -m bench.soak --report RUN_DIR          # reports on an existing run directory
+
+Reads ``memory/host_rss_mib`` from the run's metrics.jsonl and appends one record to
+bench/results/soak.jsonl: RSS medians early and late, and the slope over the second half.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.env import REPO, environment
+
+RESULTS = REPO / "bench" / "results" / "soak.jsonl"
+
+
+def memory_trend(run_dir: Path) -> dict[str, Any]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    points = [(r["time_s"], r["memory/host_rss_mib"]) for r in records if "memory/host_rss_mib" in r]
+    if len(points) < 20:
+        raise ValueError(f"{run_dir}: only {len(points)} memory records; run longer")
+    rss = [m for _, m in points]
+    tenth = len(rss) // 10
+    second_half = points[len(points) // 2 :]
+    mean_t = statistics.fmean(t for t, _ in second_half)
+    mean_m = statistics.fmean(m for _, m in second_half)
+    slope = sum((t - mean_t) * (m - mean_m) for t, m in second_half) / sum((t - mean_t) ** 2 for t, _ in second_half)
+    return {
+        "duration_s": points[-1][0],
+        "log_points": len(points),
+        "epochs": max(r.get("epoch", 0) for r in records),
+        "rss_mib_first_tenth_median": statistics.median(rss[:tenth]),
+        "rss_mib_last_tenth_median": statistics.median(rss[-tenth:]),
+        "rss_mib_min": min(rss),
+        "rss_mib_max": max(rss),
+        "rss_mib_per_hour_second_half": slope * 3600,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--config", default="debug")
+    parser.add_argument("--report", type=Path, help="only report on this existing run directory")
+    parser.add_argument("--commit", help="the commit the reported run was made with, where its config.json does not say")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    run_dir = args.report
+    if run_dir is None:
+        run_dir = REPO / "runs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
+        cmd = [sys.executable, "ds_train.py", "--config", args.config, "--num_epochs", "100000", "--run_dir", str(run_dir)]
+        proc = subprocess.Popen(cmd, cwd=REPO)
+        try:
+            proc.wait(timeout=args.minutes * 60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # the run checkpoints at its next step and exits 75
+            proc.wait()
+    saved = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    env = environment()
+    env["commit"] = saved.get("commit") or args.commit or env["commit"]
+    record = {"bench": "soak", "run_dir": str(run_dir), **memory_trend(run_dir), **env}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()
