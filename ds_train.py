@@ -11,7 +11,6 @@ Every config key is an option (--key value, dotted for nested keys); see --help.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import logging
 import shutil
@@ -24,7 +23,15 @@ import torch.distributed as torch_dist
 
 from pipeline.volumes import DataError
 from trainer.checkpoint import CHECKPOINT_DIR, CheckpointError
-from trainer.config import Config, ConfigError, build_config, changes_on_resume, leaf_keys, load_named
+from trainer.config import (
+    Config,
+    ConfigError,
+    add_config_options,
+    build_config,
+    changes_on_resume,
+    load_named,
+    parse_config_options,
+)
 from trainer.dist import DistEnv, DistError
 from trainer.errors import NumericalError
 from trainer.preemption import PREEMPTED_EXIT, StopRequest
@@ -41,8 +48,6 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "train.log", "tenso
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
     """Fixed options, plus every config key as an override (returned as dotted key -> raw value)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--config", default="debug", help="name of the config in --yaml_config (default: debug)")
-    parser.add_argument("--yaml_config", type=Path, default=Path("ds_configs/UNet.yaml"), help="file of named configs")
     parser.add_argument("--run_dir", type=Path, help="run directory (default: runs/<config>-<date>-<time>)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --run_dir from its latest checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="start afresh in a --run_dir that holds an earlier run, deleting it")
@@ -51,19 +56,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     )
     parser.add_argument("--stop_after_epoch", type=int, help="stop after this epoch; the schedule still spans num_epochs")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    overrides = parser.add_argument_group("config keys (override the YAML)")
-    keys = leaf_keys(Config)
-    for key, help_text in keys.items():
-        overrides.add_argument(f"--{key}", dest=f"set:{key}", metavar="VALUE", default=argparse.SUPPRESS, help=help_text)
-    args, unknown = parser.parse_known_args(argv)
-    for arg in unknown:
-        if arg.startswith("--"):
-            flag = arg[2:].split("=", 1)[0]
-            close = difflib.get_close_matches(flag, [*keys, "config", "yaml_config", "run_dir", "resume"], n=1)
-            parser.error(f"unknown option --{flag}" + (f" (did you mean --{close[0]}?)" if close else ""))
-        parser.error(f"unexpected argument {arg!r}")
-    given = {dest[4:]: value for dest, value in vars(args).items() if dest.startswith("set:")}
-    return args, given
+    add_config_options(parser)
+    return parse_config_options(parser, argv)
 
 
 def resolve_config(args: argparse.Namespace, overrides: dict[str, str]) -> tuple[str, Config]:

@@ -9,6 +9,7 @@ the wrong type are errors that name the key. Keys are the reference's where it h
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import difflib
@@ -238,6 +239,29 @@ def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, str]:
         if inner:
             keys.update(leaf_keys(inner[0], key + "."))
     return keys
+
+
+def add_config_options(parser: argparse.ArgumentParser) -> None:
+    """Every config key as an option ``--key VALUE`` (dotted for nested keys), plus --config/--yaml_config."""
+    parser.add_argument("--config", default="debug", help="name of the config in --yaml_config (default: debug)")
+    parser.add_argument("--yaml_config", type=Path, default=Path("ds_configs/UNet.yaml"), help="file of named configs")
+    group = parser.add_argument_group("config keys (override the YAML)")
+    for key, help_text in leaf_keys(Config).items():
+        group.add_argument(f"--{key}", dest=f"set:{key}", metavar="VALUE", default=argparse.SUPPRESS, help=help_text)
+
+
+def parse_config_options(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
+    """Parse, with unknown options named (and the closest known one suggested); the config overrides apart."""
+    args, unknown = parser.parse_known_args(argv)
+    known = [a.lstrip("-") for action in parser._actions for a in action.option_strings]
+    for arg in unknown:
+        if arg.startswith("--"):
+            flag = arg[2:].split("=", 1)[0]
+            close = difflib.get_close_matches(flag, known, n=1)
+            parser.error(f"unknown option --{flag}" + (f" (did you mean --{close[0]}?)" if close else ""))
+        parser.error(f"unexpected argument {arg!r}")
+    overrides = {dest[4:]: value for dest, value in vars(args).items() if dest.startswith("set:")}
+    return args, overrides
 
 
 def load_named(path: Path, name: str) -> dict[str, Any]:

@@ -1,0 +1,126 @@
+"""Sweeps of bench.train cases through the launcher, then the report.
+
+    python -m bench.sweep --preset cpu-smoke          # this machine: 1 and 2 ranks, small model, a few minutes
+    python -m bench.sweep --preset gpu --max_ranks 8  # a GPU node or allocation (see slurm/bench.sbatch)
+
+Every case is its own process (its own ranks), launched by DeepSpeed's launcher on one node or by
+srun inside a Slurm allocation (``--launcher srun``); every record carries the sweep's run id.
+Sweeps: the baseline (IO, SYNTHETIC, FULL, and the plain loop), micro-batch, precision, weak scaling
+(micro-batch per rank fixed) and strong scaling (global batch fixed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.env import REPO
+from bench.train import RESULTS
+
+PRECISION_JSON = {"fp32": "ds_configs/ds_fp32.json", "bf16": "ds_configs/ds_bf16.json", "fp16": "ds_configs/ds_fp16.json"}
+
+
+@dataclass
+class Case:
+    sweep: str
+    label: str
+    ranks: int
+    modes: list[str]
+    options: list[str] = field(default_factory=list)
+
+
+def _batch(micro: int, ranks: int) -> list[str]:
+    return ["--global_batch_size", str(micro * ranks), "--base_batch_size", str(micro * ranks)]
+
+
+def cpu_smoke(max_ranks: int) -> tuple[list[str], list[Case]]:
+    """The debug model on this machine's cores; scaling runs with one thread per rank."""
+    base = ["--config", "debug", "--deepspeed_config", PRECISION_JSON["fp32"]]
+    one_thread = ["--cpu_threads", "1", "--num_data_workers", "1"]
+    cases = [Case("baseline", "micro 8", 1, ["io", "synthetic", "full", "plain"], _batch(8, 1))]
+    cases += [Case("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (2, 4, 8, 16)]
+    cases += [Case("precision", "bf16", 1, ["synthetic", "plain"], _batch(8, 1) + ["--deepspeed_config", PRECISION_JSON["bf16"]])]
+    ranks = [n for n in (1, 2, 4, 8) if n <= max_ranks]
+    cases += [Case("weak", f"{n} rank(s), micro 8", n, ["synthetic"], _batch(8, n) + one_thread) for n in ranks]
+    cases += [Case("strong", f"{n} rank(s), global 16", n, ["synthetic"],
+                   ["--global_batch_size", "16", "--base_batch_size", "16"] + one_thread) for n in ranks]  # fmt: skip
+    return base, cases
+
+
+def gpu(max_ranks: int) -> tuple[list[str], list[Case]]:
+    """The reference model at 64^3 on GPUs: batch 64 per GPU, fp16 unless the case says otherwise."""
+    base = ["--config", "bs64_opt", "--synthetic", "{train_box_size: 256, val_box_size: 128, seed: 0}",
+            "--train_path", "data/bench/gpu_train.h5", "--val_path", "data/bench/gpu_val.h5", "--storage", "device",
+            "--Nsamples", "65536", "--Nsamples_val", "256"]  # fmt: skip
+    cases = [Case("baseline", "micro 64", 1, ["io", "synthetic", "full", "plain"], _batch(64, 1))]
+    cases += [Case("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (16, 32, 64, 128)]
+    cases += [Case("precision", p, 1, ["synthetic", "plain"], _batch(64, 1) + ["--deepspeed_config", PRECISION_JSON[p]])
+              for p in ("fp32", "bf16")]  # fmt: skip
+    ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
+    cases += [Case("weak", f"{n} rank(s), micro 64", n, ["synthetic", "full"], _batch(64, n)) for n in ranks]
+    cases += [Case("strong", f"{n} rank(s), global 512", n, ["synthetic"],
+                   ["--global_batch_size", "512", "--base_batch_size", "512"]) for n in ranks if 512 % n == 0]  # fmt: skip
+    return base, cases
+
+
+PRESETS = {"cpu-smoke": cpu_smoke, "gpu": gpu}
+
+
+def command(case: Case, launcher: str, ranks_per_node: int) -> list[str]:
+    if case.ranks == 1 and launcher != "srun":
+        return [sys.executable, "-m", "bench.train"]
+    if launcher == "srun":
+        nodes = -(-case.ranks // ranks_per_node)
+        return ["srun", "--kill-on-bad-exit=1", f"--ntasks={case.ranks}", f"--nodes={nodes}", sys.executable, "-m", "bench.train"]
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(case.ranks), "--module", "bench.train"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smoke")
+    parser.add_argument("--max_ranks", type=int, default=2 if not torch.cuda.is_available() else torch.cuda.device_count())
+    parser.add_argument("--launcher", choices=["deepspeed", "srun"], default="deepspeed")
+    parser.add_argument("--ranks_per_node", type=int, default=max(1, torch.cuda.device_count()))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--only", nargs="*", help="run only these sweeps (baseline, micro-batch, precision, weak, strong)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no_report", action="store_true")
+    args = parser.parse_args(argv)
+    base, cases = PRESETS[args.preset](args.max_ranks)
+    if args.preset == "gpu" and not torch.cuda.is_available():
+        parser.error("the gpu preset needs a GPU")
+    if not torch.cuda.is_available() and any(c.label == "bf16" for c in cases):
+        from deepspeed.accelerator import get_accelerator
+
+        if not get_accelerator().is_bf16_supported():
+            cases = [c for c in cases if c.label != "bf16"]
+    run_id = time.strftime("%Y%m%dT%H%M%S")
+    failures = []
+    for case in cases:
+        if args.only and case.sweep not in args.only:
+            continue
+        cmd = [*command(case, args.launcher, args.ranks_per_node), *base, *case.options, "--modes", *case.modes,
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--sweep", case.sweep, "--case", case.label,
+               "--run_id", run_id, "--out", str(args.out)]  # fmt: skip
+        print(f"[{case.sweep}] {case.label}: {' '.join(case.modes)}", flush=True)
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        if result.returncode != 0:
+            failures.append(case.label)
+            print(result.stderr[-3000:], file=sys.stderr)
+    if not args.no_report:
+        from bench.report import main as report
+
+        report(["--results", str(args.out)])
+    if failures:
+        sys.exit(f"failed cases: {', '.join(failures)}")
+
+
+if __name__ == "__main__":
+    main()

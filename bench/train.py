@@ -1,0 +1,277 @@
+"""Training throughput of any config, four ways, measured by one harness in one process per case.
+
+    python -m bench.train --config debug --modes io synthetic full plain
+    python -m deepspeed.launcher.runner --num_gpus 2 --module bench.train --config debug --modes synthetic
+    srun -n 8 python -m bench.train --config bs512_opt --modes synthetic full
+
+- ``io``: the pipeline alone (the training loader's batches, nothing trained);
+- ``synthetic``: the DeepSpeed engine's steps on one batch generated on the device (no pipeline);
+- ``full``: real training steps, the pipeline's batches through the engine;
+- ``plain``: the synthetic batch stepped by ``torch.optim.Adam`` without DeepSpeed (DDP across
+  ranks, autocast for bf16/fp16), so that the engine's cost is a ratio, not a guess.
+
+Each mode runs ``--warmup`` optimizer steps that are discarded, then ``--steps`` timed ones. Step
+phases are timed with CUDA events on a GPU (one synchronization at the end) and the host clock on a
+CPU; samples/s is global samples over wall time. Rank 0 appends one record per mode to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+
+from bench.env import REPO, environment
+from bench.flops import model_flops, utilization
+from model import UNet, unet_loss
+from trainer.config import add_config_options, build_config, load_named, parse_config_options
+from trainer.dist import DistEnv
+from trainer.engine import precision_name
+from trainer.trainer import Trainer, forward_loss, init_distributed, prepare_data
+
+RESULTS = REPO / "bench" / "results" / "train.jsonl"
+MODES = ("io", "synthetic", "full", "plain")
+log = logging.getLogger("bench.train")
+
+
+class Marks:
+    """Timestamps inside steps: CUDA events on a GPU (read once, at the end), the host clock on a CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.steps: list[dict[str, Any]] = []
+
+    def step(self) -> None:
+        self.steps.append({})
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.steps[-1].setdefault(name, []).append(event)
+        else:
+            self.steps[-1].setdefault(name, []).append(time.perf_counter())
+
+    def _ms(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if self.cuda else 1000 * (b - a)
+
+    def phase_ms(self, start: str, end: str) -> list[float]:
+        """Per step, the time from each ``start`` mark to the next ``end`` mark, summed over micro-steps."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [sum(self._ms(a, b) for a, b in zip(s[start], s[end])) for s in self.steps if start in s]
+
+    def step_ms(self) -> list[float]:
+        """Per step, from its first mark to the next step's first mark (so data waits are included)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        firsts = [next(iter(s.values()))[0] for s in self.steps]
+        return [self._ms(a, b) for a, b in zip(firsts, firsts[1:])]
+
+
+def percentiles(values: list[float], prefix: str) -> dict[str, float]:
+    return {f"{prefix}_p50": float(np.percentile(values, 50)), f"{prefix}_p90": float(np.percentile(values, 90)),
+            f"{prefix}_p99": float(np.percentile(values, 99))}  # fmt: skip
+
+
+def timed(step: Callable[[Marks], float], warmup: int, steps: int, cuda: bool) -> dict[str, Any]:
+    """Run ``warmup`` steps untimed, then ``steps`` timed ones; ``step`` returns its seconds of data wait."""
+    for _ in range(warmup):
+        step(Marks(cuda))
+    marks = Marks(cuda)
+    if cuda:
+        torch.cuda.synchronize()
+    start, wait_s = time.perf_counter(), 0.0
+    for _ in range(steps):
+        marks.step()
+        wait_s += step(marks)
+    marks.step()
+    marks.mark("end")  # closes the last step for step_ms
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "data_wait_pct": 100 * wait_s / wall, "marks": marks}
+
+
+class Case:
+    """One process's benchmark: a trainer built from the config, and the four ways to step it."""
+
+    def __init__(self, trainer: Trainer, cuda: bool) -> None:
+        self.trainer, self.cuda = trainer, cuda
+        engine = trainer.engine
+        self.accumulation = engine.gradient_accumulation_steps()
+        self.micro = engine.train_micro_batch_size_per_gpu()
+        cfg = trainer.cfg
+        generator = torch.Generator(device=engine.device).manual_seed(cfg.seed + trainer.dist.rank)
+        shape = (self.micro, cfg.data_size, cfg.data_size, cfg.data_size)
+        self.batch = (
+            torch.randn(shape[:1] + (cfg.N_in_channels,) + shape[1:], generator=generator, device=engine.device).to(trainer.dtype),
+            torch.randn(shape[:1] + (cfg.N_out_channels,) + shape[1:], generator=generator, device=engine.device).tanh(),
+        )
+        self._batches: Iterator | None = None
+
+    def _next_batch(self) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
+        """A batch from the training loader (a new epoch when one ends) and the seconds spent waiting."""
+        start = time.perf_counter()
+        while True:
+            if self._batches is None:
+                self._batches = iter(self.trainer.train_loader)
+            try:
+                return next(self._batches), time.perf_counter() - start
+            except StopIteration:
+                self._batches = None
+
+    def io_step(self, marks: Marks) -> float:
+        wait = 0.0
+        for _ in range(self.accumulation):
+            if marks.steps:
+                marks.mark("start")
+            _, waited = self._next_batch()
+            wait += waited
+        return wait
+
+    def engine_step(self, marks: Marks, synthetic: bool) -> float:
+        engine, wait = self.trainer.engine, 0.0
+        for _ in range(self.accumulation):
+            if synthetic:
+                inp, tar = self.batch
+            else:
+                (inp, tar), waited = self._next_batch()
+                wait += waited
+            if marks.steps:
+                marks.mark("start")
+            loss = forward_loss(engine, inp, tar, self.trainer.cfg.lambda_rho)
+            if marks.steps:
+                marks.mark("forward")
+            engine.backward(loss)
+            if marks.steps:
+                marks.mark("backward")
+            engine.step()
+            if marks.steps:
+                marks.mark("optimizer")
+        return wait
+
+    def plain(self) -> Callable[[Marks], float]:
+        """The same model and batch stepped by plain PyTorch: torch.optim.Adam, DDP across ranks, autocast."""
+        cfg, trainer = self.trainer.cfg, self.trainer
+        torch.manual_seed(cfg.seed)
+        model = UNet(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth).to(trainer.engine.device)
+        model.init_weights(cfg.weight_init.conv_scale, cfg.weight_init.conv_bias)
+        if trainer.dist.world_size > 1:
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[trainer.device.index] if self.cuda else None)
+        params = trainer.ds_config["optimizer"]["params"]
+        optimizer = torch.optim.Adam(model.parameters(), lr=params["lr"], betas=tuple(params.get("betas", (0.9, 0.999))),
+                                     eps=params.get("eps", 1e-8), weight_decay=params.get("weight_decay", 0.0))  # fmt: skip
+        dtype = trainer.dtype
+        device_type = trainer.engine.device.type
+        scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+        inp, tar = self.batch[0].float(), self.batch[1]
+
+        def step(marks: Marks) -> float:
+            for micro in range(self.accumulation):
+                if marks.steps:
+                    marks.mark("start")
+                with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+                    loss = unet_loss(model(inp), tar, cfg.lambda_rho) / self.accumulation
+                if marks.steps:
+                    marks.mark("forward")
+                scaler.scale(loss).backward()
+                if marks.steps:
+                    marks.mark("backward")
+                if micro == self.accumulation - 1:
+                    scaler.step(optimizer)
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
+                if marks.steps:
+                    marks.mark("optimizer")
+            return 0.0
+
+        return step
+
+    def run(self, mode: str, warmup: int, steps: int) -> dict[str, Any]:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        step = {
+            "io": self.io_step,
+            "synthetic": lambda marks: self.engine_step(marks, synthetic=True),
+            "full": lambda marks: self.engine_step(marks, synthetic=False),
+            "plain": self.plain(),
+        }[mode]
+        result = timed(step, warmup, steps, self.cuda)
+        marks: Marks = result.pop("marks")
+        record: dict[str, Any] = {**result, **percentiles(marks.step_ms(), "step_ms")}
+        if mode != "io":
+            for name, (a, b) in {"forward": ("start", "forward"), "backward": ("forward", "backward"),
+                                 "optimizer": ("backward", "optimizer")}.items():  # fmt: skip
+                record[f"{name}_ms_p50"] = statistics.median(marks.phase_ms(a, b))
+        record["samples_per_s"] = steps * self.trainer.engine.train_batch_size() / result["wall_s"]
+        if self.cuda:
+            record.update(mem_peak_gib=torch.cuda.max_memory_allocated() / 2**30, mem_kind="device")
+        else:
+            record.update(mem_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, mem_kind="host_rss")
+        return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=["synthetic"])
+    parser.add_argument("--warmup", type=int, default=3, help="optimizer steps discarded before timing")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps timed")
+    parser.add_argument("--sweep", default="adhoc", help="name of the sweep this case belongs to")
+    parser.add_argument("--run_id", default=time.strftime("%Y%m%dT%H%M%S"), help="groups the records of one sweep run")
+    parser.add_argument("--case", default="", help="label of this case within its sweep")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    add_config_options(parser)
+    args, overrides = parse_config_options(parser, argv)
+    cfg = build_config(load_named(args.yaml_config, args.config), overrides)
+    dist = DistEnv.from_environ()
+    logging.basicConfig(level=logging.INFO if dist.is_main else logging.WARNING, format="%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S", force=True)  # fmt: skip
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    device = init_distributed(dist, cfg.dist_timeout_s)
+    prepare_data(cfg, dist)
+    with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
+        trainer = Trainer(cfg, args.config, dist, device, Path(scratch), resume=False)
+        case = Case(trainer, cuda=device.type == "cuda")
+        flops = model_flops(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth, cfg.data_size)
+        env = environment()
+        engine = trainer.engine
+        # MFU is over every device the job uses: each GPU, or each node's CPU (shared by its ranks).
+        devices = dist.world_size if device.type == "cuda" else dist.world_size // dist.local_world_size
+        for mode in args.modes:
+            result = case.run(mode, args.warmup, args.steps)
+            precision = precision_name(trainer.dtype)
+            record = {
+                "bench": "train", "sweep": args.sweep, "run_id": args.run_id, "case": args.case, "mode": mode,
+                "engine": "plain" if mode == "plain" else "deepspeed", "config": args.config,
+                "world_size": dist.world_size, "micro_batch": case.micro, "accumulation": case.accumulation,
+                "global_batch": engine.train_batch_size(), "precision": precision, "crop": cfg.data_size,
+                "unet_width": cfg.unet_width, "unet_depth": cfg.unet_depth, "parameters": trainer.num_parameters,
+                "storage": trainer.storage, "backend": cfg.backend, "threads_per_rank": torch.get_num_threads(),
+                "warmup_steps": args.warmup, "timed_steps": args.steps, **result, **flops,
+                **(utilization(result["samples_per_s"], flops, env["device"], precision, devices) if mode != "io" else {}),
+                **env,
+            }  # fmt: skip
+            if dist.is_main:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                with args.out.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                log.info("%s %s: %.1f samples/s, step p50 %.1f ms", args.case or args.config, mode,
+                         record["samples_per_s"], record["step_ms_p50"])  # fmt: skip
+        torch_dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The training benchmark's measuring code: FLOPs, percentiles, warm-up, records, report."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.flops import model_flops, peak_flops, utilization
+from bench.report import engine_overhead, main as report_main, newest_runs, scaling
+from bench.train import Marks, percentiles, timed
+from model.unet import level_channels
+from tests.conftest import REPO, TINY_ARGS
+
+
+def analytic_unet_flops(cin: int, cout: int, width: int, depth: int, crop: int) -> tuple[float, float]:
+    """Forward and training FLOPs of the U-Net, by hand: 2 x Cin x Cout x k^3 per output voxel of a convolution
+    (per input voxel of a transposed one); backward computes the weight gradient of every layer and the input
+    gradient of every layer but the first, each as many FLOPs as its forward."""
+    k3, channels = 4**3, level_channels(width, depth)
+    layers, previous, size = [], cin, crop
+    for c in channels:  # down: Conv3d(k=4, s=2) halves the side
+        size //= 2
+        layers.append(2 * previous * c * k3 * size**3)
+        previous = c
+    for level in reversed(range(1, depth)):  # up: ConvTranspose3d from the level below, on its input voxels
+        c_in = channels[level] if level == depth - 1 else 2 * channels[level]
+        layers.append(2 * c_in * channels[level - 1] * k3 * (crop // 2 ** (level + 1)) ** 3)
+    layers.append(2 * 2 * channels[0] * cout * k3 * (crop // 2) ** 3)  # last ConvTranspose3d
+    forward = sum(layers)
+    return float(forward), float(3 * forward - layers[0])
+
+
+@pytest.mark.parametrize("width, depth, crop", [(4, 3, 16), (8, 4, 32), (64, 6, 64)])
+def test_flops_match_an_independent_count(width, depth, crop):
+    counted = model_flops(4, 5, width, depth, crop)
+    forward, training = analytic_unet_flops(4, 5, width, depth, crop)
+    assert counted["forward_flops_per_sample"] == forward
+    assert counted["train_flops_per_sample"] == training
+    if width == 64:  # the reference network: the tutorial's 27 and 80 GFLOP
+        assert round(forward / 1e9) == 27 and round(training / 1e9) == 80
+
+
+def test_utilization_counts_every_device():
+    flops = {"train_flops_per_sample": 80e9}
+    one = utilization(1000.0, flops, "NVIDIA H200", "fp16")
+    eight = utilization(8000.0, flops, "NVIDIA H200", "fp16", devices=8)
+    assert one["achieved_tflops"] == pytest.approx(80.0) and one["mfu"] == pytest.approx(80e12 / 989.4e12)
+    assert eight["mfu"] == pytest.approx(one["mfu"])
+    assert "datasheet" in one["peak_source"]
+    unknown = utilization(1.0, flops, "Some GPU", "fp16")
+    assert unknown["mfu"] is None and "add it to bench/flops.py" in unknown["peak_source"]
+    peak, source = peak_flops("cpu", "fp32")
+    assert (peak is None) == ("unknown" in source)
+
+
+def test_percentiles_interpolate_linearly():
+    values = [float(v) for v in range(1, 101)]
+    assert percentiles(values, "x") == {"x_p50": 50.5, "x_p90": pytest.approx(90.1), "x_p99": pytest.approx(99.01)}
+    assert percentiles([7.0], "y")["y_p99"] == 7.0
+
+
+def test_warmup_steps_are_run_but_not_timed():
+    calls = []
+
+    def step(marks: Marks) -> float:
+        calls.append(bool(marks.steps))  # warm-up steps get marks that record nothing
+        if marks.steps:
+            marks.mark("start")
+            marks.mark("forward")
+        return 0.25
+
+    result = timed(step, warmup=2, steps=3, cuda=False)
+    assert calls == [False, False, True, True, True]
+    marks = result["marks"]
+    assert len(marks.step_ms()) == 3 and all(ms >= 0 for ms in marks.step_ms())
+    assert len(marks.phase_ms("start", "forward")) == 3
+    assert result["data_wait_pct"] == pytest.approx(100 * 0.75 / result["wall_s"])
+
+
+REQUIRED = {
+    "bench", "sweep", "run_id", "case", "mode", "engine", "config", "world_size", "micro_batch", "accumulation",
+    "global_batch", "precision", "crop", "parameters", "threads_per_rank", "warmup_steps", "timed_steps",
+    "samples_per_s", "wall_s", "step_ms_p50", "step_ms_p90", "step_ms_p99", "data_wait_pct", "mem_peak_gib",
+    "mem_kind", "forward_flops_per_sample", "train_flops_per_sample", "device", "cpu", "cores", "host", "torch",
+    "deepspeed", "python", "commit", "time",
+}  # fmt: skip
+
+
+def test_a_benchmark_run_writes_complete_records(tmp_path):
+    out = tmp_path / "train.jsonl"
+    data = tmp_path / "data"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.train", *TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path",
+         str(data / "val.h5"), "--modes", "io", "synthetic", "full", "plain", "--steps", "3", "--warmup", "1",
+         "--sweep", "test", "--case", "tiny", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["mode"] for r in records] == ["io", "synthetic", "full", "plain"]
+    assert [r["engine"] for r in records] == ["deepspeed"] * 3 + ["plain"]
+    for r in records:
+        assert REQUIRED <= set(r), REQUIRED - set(r)
+        assert r["samples_per_s"] > 0 and r["step_ms_p50"] <= r["step_ms_p90"] <= r["step_ms_p99"]
+        assert (r["world_size"], r["micro_batch"], r["global_batch"], r["timed_steps"]) == (1, 8, 8, 3)
+        assert r["train_flops_per_sample"] == model_flops(4, 5, 4, 4, 16)["train_flops_per_sample"]
+    for r in records[1:]:
+        assert {"achieved_tflops", "mfu", "peak_source", "forward_ms_p50", "backward_ms_p50", "optimizer_ms_p50"} <= set(r)
+        assert r["achieved_tflops"] == pytest.approx(r["samples_per_s"] * r["train_flops_per_sample"] / 1e12)
+
+
+def _record(**kw):
+    base = {"device": "cpu", "run_id": "1", "sweep": "baseline", "case": "c", "mode": "synthetic", "world_size": 1,
+            "samples_per_s": 10.0, "step_ms_p50": 100.0, "step_ms_p90": 110.0, "step_ms_p99": 120.0, "precision": "fp32",
+            "micro_batch": 8, "accumulation": 1, "global_batch": 8, "data_wait_pct": 0.0, "mem_peak_gib": 1.0,
+            "mem_kind": "host_rss", "cpu": "x", "cores": 2, "torch": "t", "deepspeed": "d", "commit": "c",
+            "timed_steps": 3, "warmup_steps": 1, "unet_width": 4, "unet_depth": 4, "crop": 16,
+            "train_flops_per_sample": 1e9, "forward_ms_p50": 30.0, "backward_ms_p50": 60.0, "optimizer_ms_p50": 10.0}  # fmt: skip
+    return {**base, **kw}
+
+
+def test_report_takes_the_newest_run_and_derives_ratios(tmp_path):
+    records = [
+        _record(run_id="1", samples_per_s=1.0),
+        _record(run_id="2"),
+        _record(run_id="2", mode="plain", step_ms_p50=80.0),
+        _record(run_id="2", sweep="weak", world_size=1, samples_per_s=10.0),
+        _record(run_id="2", sweep="weak", world_size=2, samples_per_s=16.0),
+        _record(run_id="2", sweep="micro-batch", micro_batch=4, samples_per_s=7.0),
+    ]
+    rows = newest_runs(records)["cpu"]
+    assert len(rows) == 5
+    assert engine_overhead(rows) == [("fp32", 1.25)]
+    assert scaling(rows, "weak") == [(1, 10.0, 1.0), (2, 16.0, 0.8)]
+    results = tmp_path / "train.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- bench:train:start -->\n<!-- bench:train:end -->\n")
+    report_main(["--results", str(results), "--plots", str(tmp_path), "--readme", str(readme)])
+    text = readme.read_text()
+    assert "engine step / plain PyTorch step (fp32, same model and batch): **1.250**" in text
+    assert "weak scaling efficiency: 2 ranks **0.80**" in text
+    for png in ("scaling_cpu.png", "steps_cpu.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in text
