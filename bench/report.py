@@ -107,11 +107,7 @@ def plots(device: str, rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     for ax in (left, right):
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.suptitle(device)
-    fig.tight_layout()
-    written.append(out_dir / f"scaling_{slug}.png")
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+    written.append(_save(fig, device, out_dir / f"scaling_{slug}.png"))
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     phased = [r for r in rows if r.get("forward_ms_p50") is not None and r["sweep"] in ("baseline", "precision")]
@@ -129,12 +125,18 @@ def plots(device: str, rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         right.set_xscale("log", base=2)
     right.set(xlabel="micro-batch per rank", ylabel="samples/s (synthetic steps)", title="Throughput vs micro-batch")
     right.grid(alpha=0.3)
+    written.append(_save(fig, device, out_dir / f"steps_{slug}.png"))
+    return written
+
+
+def _save(fig: Any, device: str, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.suptitle(device)
     fig.tight_layout()
-    written.append(out_dir / f"steps_{slug}.png")
-    fig.savefig(written[-1], dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return written
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from bench.flops import model_flops, peak_flops, utilization
-from bench.report import engine_overhead, main as report_main, newest_runs, scaling
+from bench.report import engine_overhead, newest_runs, scaling
+from bench.report import main as report_main
 from bench.train import Marks, percentiles, timed
 from model.unet import level_channels
 from tests.conftest import REPO, TINY_ARGS
