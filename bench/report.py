@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,13 @@ def newest_runs(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
 
 
 def scaling(rows: list[dict[str, Any]], sweep: str) -> list[tuple[int, float, float]]:
-    """(ranks, samples/s, efficiency) of a scaling sweep's synthetic steps: throughput over ranks x one rank's."""
-    points = sorted((r["world_size"], r["samples_per_s"]) for r in rows if r["sweep"] == sweep and r["mode"] == "synthetic")
+    """(ranks, samples/s, efficiency) of a scaling sweep's synthetic steps: throughput over ranks x one rank's,
+    each the median over the repeated runs of that rank count."""
+    runs: dict[int, list[float]] = {}
+    for r in rows:
+        if r["sweep"] == sweep and r["mode"] == "synthetic":
+            runs.setdefault(r["world_size"], []).append(r["samples_per_s"])
+    points = sorted((n, statistics.median(rates)) for n, rates in runs.items())
     if not points or points[0][0] != 1:
         return []
     one = points[0][1]
@@ -66,7 +72,10 @@ def table(device: str, rows: list[dict[str, Any]]) -> str:
     for sweep in ("weak", "strong"):
         points = scaling(rows, sweep)
         if len(points) > 1:
-            lines.append(f"- {sweep} scaling efficiency: " + ", ".join(f"{n} ranks **{e:.2f}**" for n, _, e in points[1:]))
+            lines.append(
+                f"- {sweep} scaling efficiency (median samples/s over repeated runs): "
+                + ", ".join(f"{n} ranks **{e:.2f}**" for n, _, e in points[1:])
+            )
     lines += [
         "",
         "| sweep | case | mode | ranks | micro x acc / global | precision | samples/s | step ms p50 / p90 / p99 | fwd / bwd / opt ms | data wait | memory GiB | TFLOP/s | MFU |",
@@ -74,8 +83,9 @@ def table(device: str, rows: list[dict[str, Any]]) -> str:
     ]
     for r in rows:
         phases = " / ".join(_fmt(r.get(f"{p}_ms_p50")) for p in ("forward", "backward", "optimizer"))
+        run = f" (run {r['repeat'] + 1})" if r.get("repeat") else ""
         lines.append(
-            f"| {r['sweep']} | {r['case']} | {r['mode']} | {r['world_size']} | {r['micro_batch']} x {r['accumulation']} / "
+            f"| {r['sweep']} | {r['case']}{run} | {r['mode']} | {r['world_size']} | {r['micro_batch']} x {r['accumulation']} / "
             f"{r['global_batch']} | {r['precision']} | {r['samples_per_s']:.1f} | {r['step_ms_p50']:.0f} / "
             f"{r['step_ms_p90']:.0f} / {r['step_ms_p99']:.0f} | {phases} | {r['data_wait_pct']:.0f}% | "
             f"{r['mem_peak_gib']:.2f} ({r['mem_kind']}) | {_fmt(r.get('achieved_tflops'), 3)} | {_fmt(r.get('mfu'), 3)} |"

@@ -33,6 +33,16 @@ class Case:
     ranks: int
     modes: list[str]
     options: list[str] = field(default_factory=list)
+    repeat: int = 0
+
+
+def interleave_repeats(cases: list[Case], sweeps: tuple[str, ...], repeats: int) -> list[Case]:
+    """Repeat the cases of ``sweeps``, round after round (1, 2, 1, 2 ranks...), so that drift on a shared
+    machine falls on every case alike; the report takes the median per case."""
+    once = [c for c in cases if c.sweep not in sweeps]
+    repeated = [c for c in cases if c.sweep in sweeps]
+    rounds = [Case(c.sweep, c.label, c.ranks, c.modes, c.options, r) for r in range(repeats) for c in repeated]
+    return once + rounds
 
 
 def _batch(micro: int, ranks: int) -> list[str]:
@@ -90,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--only", nargs="*", help="run only these sweeps (baseline, micro-batch, precision, weak, strong)")
+    parser.add_argument("--scaling_repeats", type=int, default=3, help="runs of each scaling case; the median counts")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no_report", action="store_true")
     args = parser.parse_args(argv)
@@ -101,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
         if not get_accelerator().is_bf16_supported():
             cases = [c for c in cases if c.label != "bf16"]
+    cases = interleave_repeats(cases, ("weak", "strong"), args.scaling_repeats)
     run_id = time.strftime("%Y%m%dT%H%M%S")
     failures = []
     for case in cases:
@@ -108,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         cmd = [*command(case, args.launcher, args.ranks_per_node), *base, *case.options, "--modes", *case.modes,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--sweep", case.sweep, "--case", case.label,
-               "--run_id", run_id, "--out", str(args.out)]  # fmt: skip
-        print(f"[{case.sweep}] {case.label}: {' '.join(case.modes)}", flush=True)
+               "--run_id", run_id, "--repeat", str(case.repeat), "--out", str(args.out)]  # fmt: skip
+        print(f"[{case.sweep}] {case.label} (run {case.repeat + 1}): {' '.join(case.modes)}", flush=True)
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if result.returncode != 0:
             failures.append(case.label)

@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", default="adhoc", help="name of the sweep this case belongs to")
     parser.add_argument("--run_id", default=time.strftime("%Y%m%dT%H%M%S"), help="groups the records of one sweep run")
     parser.add_argument("--case", default="", help="label of this case within its sweep")
+    parser.add_argument("--repeat", type=int, default=0, help="which run of a repeated case this is")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     add_config_options(parser)
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
             result = case.run(mode, args.warmup, args.steps)
             precision = precision_name(trainer.dtype)
             record = {
-                "bench": "train", "sweep": args.sweep, "run_id": args.run_id, "case": args.case, "mode": mode,
+                "bench": "train", "sweep": args.sweep, "run_id": args.run_id, "case": args.case, "repeat": args.repeat, "mode": mode,
                 "engine": "plain" if mode == "plain" else "deepspeed", "config": args.config,
                 "world_size": dist.world_size, "micro_batch": case.micro, "accumulation": case.accumulation,
                 "global_batch": engine.train_batch_size(), "precision": precision, "crop": cfg.data_size,

@@ -128,10 +128,12 @@ def test_report_takes_the_newest_run_and_derives_ratios(tmp_path):
         _record(run_id="2", mode="plain", step_ms_p50=80.0),
         _record(run_id="2", sweep="weak", world_size=1, samples_per_s=10.0),
         _record(run_id="2", sweep="weak", world_size=2, samples_per_s=16.0),
+        _record(run_id="2", sweep="weak", world_size=2, samples_per_s=30.0, repeat=1),
+        _record(run_id="2", sweep="weak", world_size=2, samples_per_s=2.0, repeat=2),
         _record(run_id="2", sweep="micro-batch", micro_batch=4, samples_per_s=7.0),
     ]
     rows = newest_runs(records)["cpu"]
-    assert len(rows) == 5
+    assert len(rows) == 7
     assert engine_overhead(rows) == [("fp32", 1.25)]
     assert scaling(rows, "weak") == [(1, 10.0, 1.0), (2, 16.0, 0.8)]
     results = tmp_path / "train.jsonl"
@@ -141,7 +143,7 @@ def test_report_takes_the_newest_run_and_derives_ratios(tmp_path):
     report_main(["--results", str(results), "--plots", str(tmp_path), "--readme", str(readme)])
     text = readme.read_text()
     assert "engine step / plain PyTorch step (fp32, same model and batch): **1.250**" in text
-    assert "weak scaling efficiency: 2 ranks **0.80**" in text
+    assert "weak scaling efficiency (median samples/s over repeated runs): 2 ranks **0.80**" in text
     for png in ("scaling_cpu.png", "steps_cpu.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png})" in text
