@@ -53,13 +53,16 @@ def cpu_smoke(max_ranks: int) -> tuple[list[str], list[Case]]:
     """The debug model on this machine's cores; scaling runs with one thread per rank."""
     base = ["--config", "debug", "--deepspeed_config", PRECISION_JSON["fp32"]]
     one_thread = ["--cpu_threads", "1", "--num_data_workers", "1"]
-    cases = [Case("baseline", "micro 8", 1, ["io", "synthetic", "full", "plain"], _batch(8, 1))]
+    rounds = ["--rounds", "3"]  # the engine and the plain loop in turn: the ratio sees no drift between them
+    cases = [Case("baseline", "micro 8", 1, ["io", "synthetic", "full", "plain"], _batch(8, 1) + rounds)]
     cases += [Case("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (2, 4, 8, 16)]
-    cases += [Case("precision", "bf16", 1, ["synthetic", "plain"], _batch(8, 1) + ["--deepspeed_config", PRECISION_JSON["bf16"]])]
+    cases += [Case("precision", "bf16", 1, ["synthetic", "plain"], _batch(8, 1) + rounds + ["--deepspeed_config", PRECISION_JSON["bf16"]])]
+    # Scaling at micro-batch 16, where one rank's throughput saturates (the micro-batch sweep); the
+    # gradient all-reduce per step is fixed, so smaller batches scale worse (micro 8 measured 0.74-0.82).
     ranks = [n for n in (1, 2, 4, 8) if n <= max_ranks]
-    cases += [Case("weak", f"{n} rank(s), micro 8", n, ["synthetic"], _batch(8, n) + one_thread) for n in ranks]
-    cases += [Case("strong", f"{n} rank(s), global 16", n, ["synthetic"],
-                   ["--global_batch_size", "16", "--base_batch_size", "16"] + one_thread) for n in ranks]  # fmt: skip
+    cases += [Case("weak", f"{n} rank(s), micro 16", n, ["synthetic"], _batch(16, n) + one_thread) for n in ranks]
+    cases += [Case("strong", f"{n} rank(s), global 32", n, ["synthetic"],
+                   ["--global_batch_size", "32", "--base_batch_size", "32"] + one_thread) for n in ranks]  # fmt: skip
     return base, cases
 
 
@@ -68,9 +71,9 @@ def gpu(max_ranks: int) -> tuple[list[str], list[Case]]:
     base = ["--config", "bs64_opt", "--synthetic", "{train_box_size: 256, val_box_size: 128, seed: 0}",
             "--train_path", "data/bench/gpu_train.h5", "--val_path", "data/bench/gpu_val.h5", "--storage", "device",
             "--Nsamples", "65536", "--Nsamples_val", "256"]  # fmt: skip
-    cases = [Case("baseline", "micro 64", 1, ["io", "synthetic", "full", "plain"], _batch(64, 1))]
+    cases = [Case("baseline", "micro 64", 1, ["io", "synthetic", "full", "plain"], _batch(64, 1) + ["--rounds", "3"])]
     cases += [Case("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (16, 32, 64, 128)]
-    cases += [Case("precision", p, 1, ["synthetic", "plain"], _batch(64, 1) + ["--deepspeed_config", PRECISION_JSON[p]])
+    cases += [Case("precision", p, 1, ["synthetic", "plain"], _batch(64, 1) + ["--rounds", "3", "--deepspeed_config", PRECISION_JSON[p]])
               for p in ("fp32", "bf16")]  # fmt: skip
     ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
     cases += [Case("weak", f"{n} rank(s), micro 64", n, ["synthetic", "full"], _batch(64, n)) for n in ranks]

@@ -199,25 +199,44 @@ class Case:
 
         return step
 
-    def run(self, mode: str, warmup: int, steps: int) -> dict[str, Any]:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-        step = {
+    def runs(self, modes: list[str], warmup: int, steps: int, rounds: int) -> dict[str, dict[str, Any]]:
+        """Per mode, ``rounds`` timed runs taken in turn with the other modes, summarized in one record."""
+        steppers = {
             "io": self.io_step,
             "synthetic": lambda marks: self.engine_step(marks, synthetic=True),
             "full": lambda marks: self.engine_step(marks, synthetic=False),
-            "plain": self.plain(),
-        }[mode]
-        result = timed(step, warmup, steps, self.cuda)
-        marks: Marks = result.pop("marks")
-        record: dict[str, Any] = {**result, **percentiles(marks.step_ms(), "step_ms")}
-        if mode != "io":
+        }
+        if "plain" in modes:
+            steppers["plain"] = self.plain()
+        results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+        peak_gib: dict[str, float] = {}
+        for _ in range(rounds):
+            for mode in modes:
+                if self.cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                results[mode].append(timed(steppers[mode], warmup, steps, self.cuda))
+                peak_gib[mode] = max(peak_gib.get(mode, 0.0), torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0)
+        return {mode: self._summarize(runs, steps, peak_gib[mode]) for mode, runs in results.items()}
+
+    def _summarize(self, runs: list[dict[str, Any]], steps: int, device_peak_gib: float) -> dict[str, Any]:
+        all_marks: list[Marks] = [run["marks"] for run in runs]
+        step_ms = [ms for marks in all_marks for ms in marks.step_ms()]
+        rates = [steps * self.trainer.engine.train_batch_size() / run["wall_s"] for run in runs]
+        record: dict[str, Any] = {
+            "rounds": len(runs),
+            "wall_s": sum(run["wall_s"] for run in runs),
+            "samples_per_s": statistics.median(rates),
+            "samples_per_s_min": min(rates),
+            "samples_per_s_max": max(rates),
+            "data_wait_pct": statistics.median(run["data_wait_pct"] for run in runs),
+            **percentiles(step_ms, "step_ms"),
+        }
+        if "forward" in all_marks[0].steps[0]:
             for name, (a, b) in {"forward": ("start", "forward"), "backward": ("forward", "backward"),
                                  "optimizer": ("backward", "optimizer")}.items():  # fmt: skip
-                record[f"{name}_ms_p50"] = statistics.median(marks.phase_ms(a, b))
-        record["samples_per_s"] = steps * self.trainer.engine.train_batch_size() / result["wall_s"]
+                record[f"{name}_ms_p50"] = statistics.median(ms for marks in all_marks for ms in marks.phase_ms(a, b))
         if self.cuda:
-            record.update(mem_peak_gib=torch.cuda.max_memory_allocated() / 2**30, mem_kind="device")
+            record.update(mem_peak_gib=device_peak_gib, mem_kind="device")
         else:
             record.update(mem_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, mem_kind="host_rss")
         return record
@@ -227,7 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["synthetic"])
     parser.add_argument("--warmup", type=int, default=3, help="optimizer steps discarded before timing")
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps timed")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps timed per round")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds over the modes (a, b, a, b...), so that drift falls on every mode alike")  # fmt: skip
     parser.add_argument("--sweep", default="adhoc", help="name of the sweep this case belongs to")
     parser.add_argument("--run_id", default=time.strftime("%Y%m%dT%H%M%S"), help="groups the records of one sweep run")
     parser.add_argument("--case", default="", help="label of this case within its sweep")
@@ -251,9 +272,8 @@ def main(argv: list[str] | None = None) -> None:
         engine = trainer.engine
         # MFU is over every device the job uses: each GPU, or each node's CPU (shared by its ranks).
         devices = dist.world_size if device.type == "cuda" else dist.world_size // dist.local_world_size
-        for mode in args.modes:
-            result = case.run(mode, args.warmup, args.steps)
-            precision = precision_name(trainer.dtype)
+        precision = precision_name(trainer.dtype)
+        for mode, result in case.runs(args.modes, args.warmup, args.steps, args.rounds).items():
             record = {
                 "bench": "train", "sweep": args.sweep, "run_id": args.run_id, "case": args.case, "repeat": args.repeat, "mode": mode,
                 "engine": "plain" if mode == "plain" else "deepspeed", "config": args.config,

@@ -82,7 +82,7 @@ def test_warmup_steps_are_run_but_not_timed():
 REQUIRED = {
     "bench", "sweep", "run_id", "case", "mode", "engine", "config", "world_size", "micro_batch", "accumulation",
     "global_batch", "precision", "crop", "parameters", "threads_per_rank", "warmup_steps", "timed_steps",
-    "samples_per_s", "wall_s", "step_ms_p50", "step_ms_p90", "step_ms_p99", "data_wait_pct", "mem_peak_gib",
+    "samples_per_s", "samples_per_s_min", "samples_per_s_max", "rounds", "wall_s", "step_ms_p50", "step_ms_p90", "step_ms_p99", "data_wait_pct", "mem_peak_gib",
     "mem_kind", "forward_flops_per_sample", "train_flops_per_sample", "device", "cpu", "cores", "host", "torch",
     "deepspeed", "python", "commit", "time",
 }  # fmt: skip
@@ -93,7 +93,7 @@ def test_a_benchmark_run_writes_complete_records(tmp_path):
     data = tmp_path / "data"
     result = subprocess.run(
         [sys.executable, "-m", "bench.train", *TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path",
-         str(data / "val.h5"), "--modes", "io", "synthetic", "full", "plain", "--steps", "3", "--warmup", "1",
+         str(data / "val.h5"), "--modes", "io", "synthetic", "full", "plain", "--steps", "3", "--warmup", "1", "--rounds", "2",
          "--sweep", "test", "--case", "tiny", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -104,7 +104,7 @@ def test_a_benchmark_run_writes_complete_records(tmp_path):
     for r in records:
         assert REQUIRED <= set(r), REQUIRED - set(r)
         assert r["samples_per_s"] > 0 and r["step_ms_p50"] <= r["step_ms_p90"] <= r["step_ms_p99"]
-        assert (r["world_size"], r["micro_batch"], r["global_batch"], r["timed_steps"]) == (1, 8, 8, 3)
+        assert (r["world_size"], r["micro_batch"], r["global_batch"], r["timed_steps"], r["rounds"]) == (1, 8, 8, 3, 2)
         assert r["train_flops_per_sample"] == model_flops(4, 5, 4, 4, 16)["train_flops_per_sample"]
     for r in records[1:]:
         assert {"achieved_tflops", "mfu", "peak_source", "forward_ms_p50", "backward_ms_p50", "optimizer_ms_p50"} <= set(r)
