@@ -1,0 +1,136 @@
+"""The statistics cosmologists check first, comparing a predicted hydro box with the true one.
+
+- L1 per channel, in the normalized units the network works in;
+- for gas density and temperature in physical units (the normalization undone): the power spectrum
+  ratio P_pred(k) / P_true(k) and the cross-correlation coefficient r(k) = P_x / sqrt(P_pred P_true),
+  in shells of |k| (k in units of the box's fundamental mode 2 pi / L, up to the Nyquist mode L/2);
+- the one-point PDF of log10 gas density;
+- the temperature-density relation: the median log10 T in bins of log10 density.
+
+Power spectra are of the contrast f / mean(f) - 1 on the periodic grid, normalized per mode so that
+white noise of variance s^2 has P(k) = s^2 at every k.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pipeline.layout import HYDRO_CHANNELS, LOG_DENSITY_SCALE
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """How the targets were normalized: density as log(rho) / 14; temperature as log10(T / T0) / range."""
+
+    temperature_log_range: float | None  # None: the file does not say, temperature stays normalized
+
+    @classmethod
+    def from_attrs(cls, attrs: Any) -> Normalization:
+        spec = attrs.get("spec")
+        if spec is None:
+            return cls(None)
+        return cls(json.loads(spec).get("temperature_log_range"))
+
+    def density(self, x: np.ndarray) -> np.ndarray:
+        return np.exp(LOG_DENSITY_SCALE * x.astype(np.float64))
+
+    def temperature(self, x: np.ndarray) -> np.ndarray:
+        """T / T0 where the normalization is known, else the normalized values themselves."""
+        x = x.astype(np.float64)
+        return 10.0 ** (self.temperature_log_range * x) if self.temperature_log_range else x
+
+
+def _shells(n: int) -> tuple[np.ndarray, int]:
+    """|k| of every rfft mode of an n^3 grid, in units of the fundamental mode, rounded to shells."""
+    k = np.fft.fftfreq(n) * n
+    kz = np.fft.rfftfreq(n) * n
+    kmag = np.sqrt(k[:, None, None] ** 2 + k[None, :, None] ** 2 + kz[None, None, :] ** 2)
+    return np.rint(kmag).astype(np.int64), n // 2
+
+
+def _modes(field: np.ndarray) -> np.ndarray:
+    return np.fft.rfftn(field, axes=(0, 1, 2)) / field.size
+
+
+def spectra(a: np.ndarray, b: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Shell-averaged P_a(k) (and P_b, the cross spectrum P_ab) for k = 1 .. L/2, per mode.
+
+    The rfft holds half the modes: those of the kz = 0 and Nyquist planes are counted once, the
+    others stand for themselves and their conjugates, which have the same power.
+    """
+    n = a.shape[0]
+    shells, nyquist = _shells(n)
+    weight = np.full(shells.shape, 2.0)
+    weight[..., 0] = 1.0
+    if n % 2 == 0:
+        weight[..., -1] = 1.0
+    fa = _modes(a)
+    spectra_in = {"p_a": np.abs(fa) ** 2}
+    if b is not None:
+        fb = _modes(b)
+        spectra_in |= {"p_b": np.abs(fb) ** 2, "p_ab": (fa * np.conj(fb)).real}
+    counts = np.bincount(shells.ravel(), weights=weight.ravel(), minlength=nyquist + 1)
+    out = {"k": np.arange(1, nyquist + 1), "modes": counts[1 : nyquist + 1]}
+    for name, power in spectra_in.items():
+        # the grid's variance of f is the sum of |f_k|^2 over all modes; per mode, P = n^3 |f_k|^2
+        total = np.bincount(shells.ravel(), weights=(power * weight).ravel(), minlength=nyquist + 1)
+        out[name] = (total[1 : nyquist + 1] / counts[1 : nyquist + 1]) * a.size
+    return out
+
+
+def contrast(field: np.ndarray) -> np.ndarray:
+    return field / field.mean() - 1.0
+
+
+def compare_spectra(pred: np.ndarray, true: np.ndarray) -> dict[str, list[float]]:
+    s = spectra(contrast(pred), contrast(true))
+    return {
+        "k": s["k"].tolist(),
+        "power_ratio": (s["p_a"] / s["p_b"]).tolist(),
+        "r": (s["p_ab"] / np.sqrt(s["p_a"] * s["p_b"])).tolist(),
+    }
+
+
+def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int = 40) -> dict[str, Any]:
+    """All the statistics for a predicted (5, L, L, L) hydro box against the true one (normalized units)."""
+    l1 = {name: float(np.abs(pred[c].astype(np.float64) - true[c]).mean()) for c, name in enumerate(HYDRO_CHANNELS)}
+    rho_pred, rho_true = norm.density(pred[0]), norm.density(true[0])
+    t_pred, t_true = norm.temperature(pred[4]), norm.temperature(true[4])
+    result: dict[str, Any] = {
+        "l1": l1,
+        "l1_mean": float(np.mean(list(l1.values()))),
+        "temperature_units": "T / T0" if norm.temperature_log_range else "normalized (the data file gives no normalization)",
+        "gas_density": compare_spectra(rho_pred, rho_true),
+        "temperature": compare_spectra(t_pred, t_true),
+    }
+    log_true, log_pred = np.log10(rho_true), np.log10(rho_pred)
+    edges = np.linspace(*np.percentile(log_true, [0.1, 99.9]), bins + 1)
+    pdf_true, _ = np.histogram(log_true, edges, density=True)
+    pdf_pred, _ = np.histogram(log_pred, edges, density=True)
+    result["log_density_pdf"] = {
+        "edges": edges.tolist(), "true": pdf_true.tolist(), "pred": pdf_pred.tolist(),
+        "l1_distance": float(np.abs(pdf_pred - pdf_true).sum() * (edges[1] - edges[0])),
+    }  # fmt: skip
+    to_log = np.log10 if norm.temperature_log_range else np.asarray  # normalized T is already logarithmic
+    log_t_true, log_t_pred = to_log(t_true), to_log(t_pred)
+    edges = np.linspace(*np.percentile(log_true, [1, 99]), bins // 2 + 1)
+    which = np.digitize(log_true.ravel(), edges) - 1
+    which_pred = np.digitize(log_pred.ravel(), edges) - 1
+    medians = {"true": [], "pred": []}
+    for i in range(len(edges) - 1):
+        for key, index, values in (("true", which, log_t_true), ("pred", which_pred, log_t_pred)):
+            selected = values.ravel()[index == i]
+            medians[key].append(float(np.median(selected)) if selected.size else None)
+    result["temperature_density"] = {"log10_density_edges": edges.tolist(), "median_log10_T_true": medians["true"],
+                                     "median_log10_T_pred": medians["pred"]}  # fmt: skip
+    low_k = slice(0, max(1, len(result["gas_density"]["k"]) // 2))  # up to half the Nyquist mode
+    result["summary"] = {
+        f"{field}_{stat}_low_k": float(np.mean(result[field][stat][low_k]))
+        for field in ("gas_density", "temperature")
+        for stat in ("power_ratio", "r")
+    }
+    return result

@@ -1,0 +1,132 @@
+"""Predict the full hydro volume of an N-body box with a trained emulator; compare it with the truth.
+
+    python -m model.predict --input data/synthetic/debug/val.h5       # newest run under runs/
+    python -m model.predict --run_dir RUN --input box.h5 --out RUN/prediction --overlap 16
+    python -m model.predict --weights emulator.pt --input nbody_data.npy --npy_layout DHWC --truth box.h5
+
+Writes OUT/prediction.h5 (a ``Hydro`` dataset in the input's layout, its attributes copied), and
+where a true ``Hydro`` is at hand (the input file's own, or --truth) OUT/metrics.json and the
+figures OUT/slices.png and OUT/spectra.png. Tiles are cut from the input one batch at a time and
+blended into accumulators kept on disk (float64, 48 bytes per voxel in OUT), so device and host
+memory stay bounded whatever the box size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from model.emulator import Emulator, from_run_dir, from_weights, latest_run
+from model.figures import slices, spectra
+from model.metrics import Normalization, compare
+from model.tiling import accumulate
+from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, NBODY_DATASET
+from pipeline.volumes import DataError, _open_hdf5, _open_npy
+
+log = logging.getLogger("predict")
+
+
+def _open(path: Path, dataset: str, layout: str) -> tuple[object, dict]:
+    """A (C, L, L, L) volume from an HDF5 dataset or a .npy file, and the file's attributes."""
+    if path.suffix == ".npy":
+        return _open_npy(path, layout), {}
+    volume = _open_hdf5(path, dataset)
+    return volume, dict(volume.file.attrs)
+
+
+def predict_file(emulator: Emulator, input_path: Path, out_dir: Path, overlap: int, batch: int, device: torch.device,
+                 layout: str = "CDHW") -> Path:  # fmt: skip
+    volume, attrs = _open(input_path, NBODY_DATASET, layout)
+    spec = emulator.spec
+    if volume.ndim != 4 or volume.shape[0] != spec.in_channels or len(set(volume.shape[1:])) != 1:
+        raise DataError(f"{input_path}: inputs of shape {tuple(volume.shape)}; the emulator takes ({spec.in_channels}, L, L, L)")
+    box = volume.shape[1]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    acc_path, wsum_path = out_dir / ".accumulator.npy", out_dir / ".weights.npy"
+    acc = np.lib.format.open_memmap(acc_path, mode="w+", dtype=np.float64, shape=(spec.out_channels, box, box, box))
+    wsum = np.lib.format.open_memmap(wsum_path, mode="w+", dtype=np.float64, shape=(box, box, box))
+    log.info("predicting %s (%d^3) with %s: %d^3 tiles, overlap %d, on %s", input_path, box, emulator.source,
+             spec.crop_size, overlap, device)  # fmt: skip
+    accumulate(emulator.model.to(device), volume, spec.crop_size, overlap, batch, device, acc, wsum, progress=sys.stderr.isatty())
+    out = out_dir / "prediction.h5"
+    with h5py.File(out, "w") as f:
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        f.attrs["prediction"] = json.dumps(
+            {"input": str(input_path), "emulator": emulator.source, "crop": spec.crop_size, "overlap": overlap}
+        )
+        hydro = f.create_dataset(HYDRO_DATASET, shape=(spec.out_channels, box, box, box), dtype=np.float32)
+        hydro.attrs["channels"] = json.dumps(HYDRO_CHANNELS)
+        for c in range(spec.out_channels):  # one channel at a time: memory stays at one channel of the box
+            hydro[c] = (acc[c] / wsum).astype(np.float32)
+    del acc, wsum
+    acc_path.unlink()
+    wsum_path.unlink()
+    return out
+
+
+def evaluate_file(prediction: Path, truth: Path, inputs: Path, out_dir: Path, layout: str = "CDHW") -> dict:
+    true_volume, attrs = _open(truth, HYDRO_DATASET, layout)
+    with h5py.File(prediction, "r") as f:
+        pred = f[HYDRO_DATASET][...]
+    true = np.asarray(true_volume[...], dtype=np.float32)
+    if true.shape != pred.shape:
+        raise DataError(f"{truth}: true hydro {true.shape} and prediction {pred.shape} differ")
+    metrics = compare(pred, true, Normalization.from_attrs(attrs))
+    metrics["files"] = {"prediction": str(prediction), "truth": str(truth)}
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    input_volume, _ = _open(inputs, NBODY_DATASET, layout)
+    slices(np.asarray(input_volume[...], dtype=np.float32), true, pred, out_dir / "slices.png")
+    spectra(metrics, out_dir / "spectra.png")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--run_dir", type=Path, help="run directory (default: the newest under runs/ with a checkpoint)")
+    source.add_argument("--weights", type=Path, help="an exported emulator (python -m model.export)")
+    parser.add_argument("--tag", help="checkpoint tag of --run_dir (default: the latest)")
+    parser.add_argument("--input", type=Path, required=True, help="HDF5 file with an Nbody dataset, or a .npy input volume")
+    parser.add_argument("--npy_layout", choices=["CDHW", "DHWC"], default="CDHW")
+    parser.add_argument("--truth", type=Path, help="HDF5 file (Hydro) or .npy targets to compare with (default: the input file)")
+    parser.add_argument("--out", type=Path, help="output directory (default: <run_dir>/prediction)")
+    parser.add_argument("--overlap", type=int, help="voxels tiles overlap by (default: a quarter of the crop)")
+    parser.add_argument("--batch", type=int, default=8, help="tiles per forward pass")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        if args.weights:
+            emulator, default_out = from_weights(args.weights), args.weights.with_suffix("")
+        else:
+            run_dir = args.run_dir or latest_run()
+            emulator, default_out = from_run_dir(run_dir, args.tag), run_dir / "prediction"
+        out_dir = args.out or default_out
+        overlap = emulator.spec.crop_size // 4 if args.overlap is None else args.overlap
+        prediction = predict_file(emulator, args.input, out_dir, overlap, args.batch, torch.device(args.device), args.npy_layout)
+        log.info("wrote %s", prediction)
+        truth = args.truth or (args.input if args.input.suffix != ".npy" else None)
+        if truth is not None:
+            if truth.suffix != ".npy" and HYDRO_DATASET not in h5py.File(truth, "r"):
+                log.info("%s holds no %s: no metrics", truth, HYDRO_DATASET)
+                return 0
+            metrics = evaluate_file(prediction, truth, args.input, out_dir, args.npy_layout)
+            summary = ", ".join(f"{k} {v:.3f}" for k, v in metrics["summary"].items())
+            log.info("L1 %.5f (mean over channels); %s", metrics["l1_mean"], summary)
+            log.info("wrote %s, %s, %s", out_dir / "metrics.json", out_dir / "slices.png", out_dir / "spectra.png")
+    except (DataError, FileNotFoundError, ValueError) as err:
+        log.error("%s", err)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
