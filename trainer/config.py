@@ -113,6 +113,9 @@ class Config:
     checkpoint_keep: int = _field(3, "checkpoints kept in the run directory (the newest ones)")
     cpu_threads: Optional[int] = _field(None, "torch threads per rank on CPU (null: cores / ranks on this node)")
     dist_timeout_s: float = _field(600.0, "how long a collective waits for a missing rank before failing")
+    science_every_epochs: int = _field(
+        0, "every this many epochs, predict the whole validation box (tiled) and log its science metrics (0: never)"
+    )
     # Faults
     nonfinite_loss: Literal["skip", "stop", "ignore"] = _field(
         "skip",
@@ -133,6 +136,8 @@ class Config:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.science_every_epochs < 0:
+            raise ConfigError(f"science_every_epochs must not be negative, got {self.science_every_epochs}")
         if self.dist_timeout_s <= 0:
             raise ConfigError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
         if self.data_prefetch < 0:
@@ -344,7 +349,7 @@ RESUMABLE = {
     "train_path", "val_path", "train_path_npy_data", "train_path_npy_label", "val_path_npy_data",
     "val_path_npy_label", "storage", "device_storage_dtype", "backend", "num_data_workers", "data_prefetch",
     "log_every_steps", "checkpoint_keep", "cpu_threads", "dist_timeout_s", "nonfinite_loss",
-    "max_nonfinite_in_a_row", "data_checks",
+    "max_nonfinite_in_a_row", "data_checks", "science_every_epochs",
 }  # fmt: skip
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+import h5py
+import numpy as np
 import psutil
 import torch
 import torch.distributed as torch_dist
@@ -28,6 +30,8 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from model import UNet, unet_loss
+from model.metrics import Normalization, compare
+from model.tiling import predict_box
 from pipeline.loaders import LoaderSettings, build_loader, check_memory, effective_storage
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import ensure_box
@@ -342,6 +346,22 @@ class Trainer:
         tag = save_checkpoint(self.engine, self.run_dir, state, self.cfg.checkpoint_keep)
         log.info("checkpoint %s saved", tag)
 
+    def _science_metrics(self) -> None:
+        """Rank 0 predicts the whole validation box, tiled as ``python -m model.predict`` does, and logs the
+        statistics of model.metrics (L1 per channel, power-spectrum ratio and r(k) at low k)."""
+        if self.dist.is_main:
+            cfg, volumes = self.cfg, self.val_volumes
+            micro = self.engine.train_micro_batch_size_per_gpu()
+            pred = predict_box(self.engine.module, volumes.nbody, cfg.N_out_channels, cfg.data_size, cfg.data_size // 4,
+                               micro, self.engine.device)  # fmt: skip
+            attrs = h5py.File(volumes.files.targets, "r").attrs if volumes.files.format == "hdf5" else {}
+            metrics = compare(pred, np.asarray(volumes.hydro[...], dtype=np.float32), Normalization.from_attrs(attrs))
+            scalars = {f"science/l1_{name}": value for name, value in metrics["l1"].items()}
+            scalars |= {f"science/{name}": value for name, value in metrics["summary"].items()}
+            self.runlog.write(self.engine.global_steps, epoch=self.epoch + 1, **scalars)
+            log.info("science metrics: %s", ", ".join(f"{k.removeprefix('science/')} {v:.4f}" for k, v in scalars.items()))
+        self.engine.train()
+
     def _gather_losses(self, interval: Interval) -> tuple[float, list[float], bool]:
         """Training loss over the interval: the mean over ranks, each rank's, and whether any rank must stop.
 
@@ -398,6 +418,8 @@ class Trainer:
                 val_loss = evaluate(engine, self.val_loader, cfg.lambda_rho)
                 self.runlog.write(engine.global_steps, epoch=self.epoch + 1, **{"loss/valid": val_loss})
                 log.info("epoch %d/%d: validation loss %.5f", self.epoch + 1, cfg.num_epochs, val_loss)
+                if cfg.science_every_epochs and (self.epoch + 1) % cfg.science_every_epochs == 0:
+                    self._science_metrics()
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                 self._save()
                 stopped = self.epoch < last_epoch and self._stop_requested_anywhere()

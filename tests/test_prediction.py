@@ -1,0 +1,186 @@
+"""Using the trained emulator: tiled prediction, spectra, export, and the predict command end to end."""
+
+import itertools
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from model import UNet
+from model.emulator import Emulator, EmulatorSpec, export, from_run_dir, from_weights
+from model.metrics import Normalization, compare, contrast, spectra
+from model.predict import main as predict_main
+from model.tiling import periodic_window, predict_box, tile_starts
+from tests.conftest import TINY_ARGS, run_train
+
+CPU = torch.device("cpu")
+
+
+def _net(seed=0, width=4, depth=3):
+    torch.manual_seed(seed)
+    net = UNet(4, 5, width, depth)
+    net.init_weights(conv_scale=0.1, conv_bias=0.0)
+    return net.eval()
+
+
+def _smooth_volume(box, seed=0):
+    rng = np.random.default_rng(seed)
+    noise = rng.standard_normal((4, box, box, box))
+    k = np.fft.fftfreq(box)
+    kernel = np.exp(-((k[:, None, None] ** 2 + k[None, :, None] ** 2 + k[None, None, :] ** 2) * 40))
+    return np.real(np.fft.ifftn(np.fft.fftn(noise, axes=(1, 2, 3)) * kernel, axes=(1, 2, 3))).astype(np.float32) * 5
+
+
+def test_tiling_reproduces_the_direct_prediction_when_the_box_fits_in_one_crop():
+    net, volume = _net(), _smooth_volume(16)
+    with torch.no_grad():
+        direct = net(torch.from_numpy(volume)[None])[0].numpy()
+    assert np.array_equal(predict_box(net, volume, 5, crop=16, overlap=4, batch=2, device=CPU), direct)
+
+
+def test_periodic_windows_wrap_around():
+    volume = np.arange(2 * 5**3, dtype=np.float32).reshape(2, 5, 5, 5)
+    window = periodic_window(volume, (3, 4, 0), 4)
+    index = [(3 + i) % 5 for i in range(4)], [(4 + i) % 5 for i in range(4)], list(range(4))
+    assert np.array_equal(window, volume[:, index[0]][:, :, index[1]][:, :, :, index[2]])
+    assert tile_starts(48, 16, 4) == [0, 12, 24, 36] and tile_starts(16, 16, 4) == [0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model trained for two epochs: its mapping is local, and crop faces are where it errs."""
+    root = tmp_path_factory.mktemp("trained")
+    data, run = root / "data", root / "run"
+    result = run_train([*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"),
+                        "--run_dir", str(run), "--num_epochs", "2"])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return {"run": run, "train": data / "train.h5", "val": data / "val.h5"}
+
+
+def _centre_reference(net, volume, crop, centre):
+    """Every voxel predicted from the central centre^3 block of a tile around it: the most context a crop gives."""
+    box, offset = volume.shape[1], (crop - centre) // 2
+    out = np.zeros((5,) + volume.shape[1:], np.float32)
+    corners = list(itertools.product(range(0, box, centre), repeat=3))
+    with torch.no_grad():
+        for first in range(0, len(corners), 128):
+            group = corners[first : first + 128]
+            tiles = [periodic_window(volume, tuple((c - offset) % box for c in corner), crop) for corner in group]
+            for (x, y, z), p in zip(group, net(torch.from_numpy(np.stack(tiles))).numpy()):
+                out[:, x : x + centre, y : y + centre, z : z + centre] = p[:, offset : offset + centre, offset : offset + centre, offset : offset + centre]
+    return out
+
+
+def _seam_ratio(pred, reference, starts):
+    """Error on the planes either side of a tile face over the median error per plane (along axis 1)."""
+    error = np.abs(pred - reference).mean(axis=(0, 2, 3))
+    faces = sorted({s % len(error) for s in starts} | {(s - 1) % len(error) for s in starts})
+    return error[faces].mean() / np.median(error)
+
+
+def test_a_box_of_one_repeated_crop_is_predicted_without_seams(trained):
+    net = from_run_dir(trained["run"]).model
+    with h5py.File(trained["val"]) as f:
+        volume = np.tile(f["Nbody"][:, :16, :16, :16], (1, 3, 3, 3))  # one crop, repeated: a periodic box
+    reference = _centre_reference(net, volume, crop=16, centre=4)
+    blended = predict_box(net, volume, 5, crop=16, overlap=6, batch=8, device=CPU)
+    hard = predict_box(net, volume, 5, crop=16, overlap=0, batch=8, device=CPU)
+    assert _seam_ratio(blended, reference, tile_starts(48, 16, 6)) < 1.3
+    # The check can fail: tiles that do not overlap show their faces (measured: about 3).
+    assert _seam_ratio(hard, reference, tile_starts(48, 16, 0)) > 1.5
+    assert np.abs(blended - reference).mean() < np.abs(hard - reference).mean()
+
+
+def test_power_spectrum_of_a_plane_wave():
+    n, m, amplitude = 32, 5, 0.3
+    x = np.arange(n)
+    field = 1.0 + amplitude * np.cos(2 * np.pi * m * x / n)[:, None, None] * np.ones((n, n, n))
+    s = spectra(contrast(field))
+    assert np.flatnonzero(s["p_a"] > 1e-12).tolist() == [m - 1]  # all the power in shell k = m
+    # Per mode: the shell's power times its number of modes, over the grid's, is the field's variance.
+    assert s["p_a"][m - 1] * s["modes"][m - 1] / n**3 == pytest.approx(amplitude**2 / 2, rel=1e-9)
+
+
+def test_power_spectrum_of_white_noise_is_flat_at_its_variance():
+    rng = np.random.default_rng(0)
+    sigma = 0.7
+    s = spectra(rng.normal(0.0, sigma, (48, 48, 48)))
+    k = s["k"]
+    assert s["p_a"][k >= 4] == pytest.approx(np.full((k >= 4).sum(), sigma**2), rel=0.12)
+    assert s["p_a"][k >= 4].mean() == pytest.approx(sigma**2, rel=0.02)
+
+
+def test_compare_on_identical_and_noisy_boxes():
+    rng = np.random.default_rng(2)
+    true = rng.normal(0, 0.1, (5, 24, 24, 24)).astype(np.float32)
+    norm = Normalization(temperature_log_range=3.0)
+    same = compare(true, true, norm)
+    assert same["l1_mean"] == 0 and same["log_density_pdf"]["l1_distance"] == 0
+    assert np.allclose(same["gas_density"]["r"], 1) and np.allclose(same["temperature"]["power_ratio"], 1)
+    noisy = compare(true + rng.normal(0, 0.1, true.shape).astype(np.float32), true, norm)
+    assert all(r < 1 for r in noisy["gas_density"]["r"]) and noisy["summary"]["gas_density_power_ratio_low_k"] > 1
+    assert noisy["temperature_units"] == "T / T0" and len(noisy["temperature_density"]["median_log10_T_true"]) == 20
+
+
+def test_export_round_trip_gives_identical_outputs(tmp_path):
+    spec = EmulatorSpec(4, 5, 4, 3, 16, [[1, 2, 3]], [[1, 2, 3]])
+    emulator = Emulator(spec, _net(seed=5), "test")
+    export(emulator, tmp_path / "emulator.pt")
+    loaded = from_weights(tmp_path / "emulator.pt")
+    x = torch.randn(2, 4, 16, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(emulator.model(x), loaded.model(x))
+    assert loaded.spec == spec
+    torch.save({"weights": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="not an exported emulator"):
+        from_weights(tmp_path / "other.pt")
+
+
+def test_predict_command_after_training(trained, tmp_path):
+    run, val = trained["run"], trained["val"]
+    out = tmp_path / "prediction"
+    assert predict_main(["--run_dir", str(run), "--input", str(val), "--out", str(out), "--overlap", "4"]) == 0
+    with h5py.File(out / "prediction.h5") as f, h5py.File(val) as truth:
+        assert f["Hydro"].shape == truth["Hydro"].shape == (5, 32, 32, 32)
+        assert f.attrs["spec"] == truth.attrs["spec"]  # normalization attributes carried over
+        assert json.loads(f.attrs["prediction"])["overlap"] == 4
+        pred, true = f["Hydro"][...], truth["Hydro"][...]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["l1_mean"] == pytest.approx(np.abs(pred.astype(np.float64) - true).mean(), rel=1e-6)
+    assert metrics["l1_mean"] < np.abs(true).mean()  # the trained model beats predicting zero
+    assert {"gas_density", "temperature", "log_density_pdf", "temperature_density", "summary"} <= set(metrics)
+    for png in ("slices.png", "spectra.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert not list(out.glob(".*.npy"))  # the on-disk accumulators are gone
+    # The exported file predicts the same box to the bit, without DeepSpeed's checkpoint.
+    export(from_run_dir(run), tmp_path / "emulator.pt")
+    assert predict_main(["--weights", str(tmp_path / "emulator.pt"), "--input", str(val),
+                         "--out", str(tmp_path / "exported"), "--overlap", "4"]) == 0  # fmt: skip
+    with h5py.File(tmp_path / "exported" / "prediction.h5") as f:
+        assert np.array_equal(f["Hydro"][...], pred)
+
+
+def test_science_metrics_during_training(trained, tmp_path):
+    run = tmp_path / "run"
+    result = run_train([*TINY_ARGS, "--train_path", str(trained["train"]), "--val_path", str(trained["val"]),
+                        "--run_dir", str(run), "--num_epochs", "2", "--science_every_epochs", "2"])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    science = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "science/l1_gas_density" in line]
+    assert [r["epoch"] for r in science] == [2]
+    assert {"science/gas_density_power_ratio_low_k", "science/temperature_r_low_k"} <= set(science[0])
+
+
+def test_predict_reads_npy_inputs(trained, tmp_path):
+    from pipeline.convert import convert
+
+    data, _ = convert(trained["val"], tmp_path / "val", "DHWC")
+    out = tmp_path / "npy"
+    args = ["--run_dir", str(trained["run"]), "--input", str(data), "--npy_layout", "DHWC", "--truth", str(trained["val"])]
+    assert predict_main([*args, "--out", str(out), "--overlap", "4"]) == 0
+    assert predict_main(["--run_dir", str(trained["run"]), "--input", str(trained["val"]), "--out", str(tmp_path / "h5"),
+                         "--overlap", "4"]) == 0  # fmt: skip
+    with h5py.File(out / "prediction.h5") as a, h5py.File(tmp_path / "h5" / "prediction.h5") as b:
+        assert np.array_equal(a["Hydro"][...], b["Hydro"][...])
+    assert json.loads((out / "metrics.json").read_text())["l1_mean"] > 0
