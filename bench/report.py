@@ -29,12 +29,12 @@ def newest_runs(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
     return {d: [r for r in records if r["device"] == d and r["run_id"] == run] for d, run in newest.items()}
 
 
-def scaling(rows: list[dict[str, Any]], sweep: str) -> list[tuple[int, float, float]]:
-    """(ranks, samples/s, efficiency) of a scaling sweep's synthetic steps: throughput over ranks x one rank's,
+def scaling(rows: list[dict[str, Any]], sweep: str, mode: str = "synthetic") -> list[tuple[int, float, float]]:
+    """(ranks, samples/s, efficiency) of a scaling sweep's ``mode`` steps: throughput over ranks x one rank's,
     each the median over the repeated runs of that rank count."""
     runs: dict[int, list[float]] = {}
     for r in rows:
-        if r["sweep"] == sweep and r["mode"] == "synthetic":
+        if r["sweep"] == sweep and r["mode"] == mode:
             runs.setdefault(r["world_size"], []).append(r["samples_per_s"])
     points = sorted((n, statistics.median(rates)) for n, rates in runs.items())
     if not points or points[0][0] != 1:
@@ -69,11 +69,12 @@ def table(device: str, rows: list[dict[str, Any]]) -> str:
     ]
     for precision, ratio in engine_overhead(rows):
         lines.append(f"- DeepSpeed engine step / plain PyTorch step ({precision}, same model and batch): **{ratio:.3f}**")
-    for sweep in ("weak", "strong"):
-        points = scaling(rows, sweep)
+    for sweep, mode, who in (("weak", "synthetic", "DeepSpeed"), ("strong", "synthetic", "DeepSpeed"),
+                             ("weak", "plain", "plain PyTorch DDP")):  # fmt: skip
+        points = scaling(rows, sweep, mode)
         if len(points) > 1:
             lines.append(
-                f"- {sweep} scaling efficiency (median samples/s over repeated runs): "
+                f"- {sweep} scaling efficiency, {who} (median samples/s over repeated runs): "
                 + ", ".join(f"{n} ranks **{e:.2f}**" for n, _, e in points[1:])
             )
     lines += [

@@ -143,7 +143,7 @@ def test_report_takes_the_newest_run_and_derives_ratios(tmp_path):
     report_main(["--results", str(results), "--plots", str(tmp_path), "--readme", str(readme)])
     text = readme.read_text()
     assert "engine step / plain PyTorch step (fp32, same model and batch): **1.250**" in text
-    assert "weak scaling efficiency (median samples/s over repeated runs): 2 ranks **0.80**" in text
+    assert "weak scaling efficiency, DeepSpeed (median samples/s over repeated runs): 2 ranks **0.80**" in text
     for png in ("scaling_cpu.png", "steps_cpu.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png})" in text
