@@ -24,10 +24,17 @@ from pipeline.volumes import VolumePair
 class CropBatch:
     """One batch, as views of a reusable buffer: valid until the buffer comes round again."""
 
-    inp: np.ndarray  # (n, C_in, S, S, S) float32
+    inp: np.ndarray  # (n, C_in, S, S, S) float32; channels last in memory when channels_last
     tar: np.ndarray  # (n, C_out, S, S, S) float32
     draws: list[SampleDraw]
     rotated: bool  # False: the rotation of each draw is still to be applied
+    channels_last: bool = False
+
+    def contiguous(self) -> tuple[np.ndarray, np.ndarray, str]:
+        """The buffers as they lie in memory, C-contiguous, and their per-sample layout (CDHW or DHWC)."""
+        if self.channels_last:
+            return self.inp.transpose(0, 2, 3, 4, 1), self.tar.transpose(0, 2, 3, 4, 1), "DHWC"
+        return self.inp, self.tar, "CDHW"
 
 
 class CropBatcher:
@@ -47,21 +54,24 @@ class CropBatcher:
         threads: int,
         lookahead: int = 2,
         hold: int = 1,
+        channels_last: bool = False,
     ) -> None:
         self.volumes, self.plan, self.augmenter = volumes, plan, augmenter
         self.rotate_here = rotate_here
         self.lookahead = lookahead
+        self.channels_last = channels_last
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="crops")
-        shape = (plan.batch_size,) + (plan.crop_size,) * 3
-        self._ring = [
-            (
-                np.empty((plan.batch_size, augmenter.in_channels) + shape[1:], dtype=np.float32),
-                np.empty((plan.batch_size, augmenter.out_channels) + shape[1:], dtype=np.float32),
-            )
-            for _ in range(lookahead + hold + 1)
-        ]
+        self._ring = [(self._buffer(augmenter.in_channels), self._buffer(augmenter.out_channels))
+                      for _ in range(lookahead + hold + 1)]  # fmt: skip
         self._next_slot = 0
         self._pending: dict[tuple[int, int], tuple[int, list[SampleDraw], list[Future]]] = {}
+
+    def _buffer(self, channels: int) -> np.ndarray:
+        """(batch, C, S, S, S), laid out as (batch, S, S, S, C) in memory when channels_last."""
+        batch, size = self.plan.batch_size, self.plan.crop_size
+        if self.channels_last:
+            return np.empty((batch, size, size, size, channels), dtype=np.float32).transpose(0, 4, 1, 2, 3)
+        return np.empty((batch, channels, size, size, size), dtype=np.float32)
 
     @property
     def buffer_bytes(self) -> int:
@@ -103,7 +113,7 @@ class CropBatcher:
             future.result()  # re-raises a worker's exception here
         inp, tar = self._ring[slot]
         n = len(draws)
-        return CropBatch(inp[:n], tar[:n], draws, rotated=self.rotate_here)
+        return CropBatch(inp[:n], tar[:n], draws, rotated=self.rotate_here, channels_last=self.channels_last)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -53,9 +53,10 @@ class _BatcherFeed:
     def __call__(self, info: Any) -> tuple[np.ndarray, ...]:  # info: nvidia.dali.types.BatchInfo
         epoch, index = _position(info, self.first_epoch, self.first_batch, self.batcher.plan.num_batches)
         batch = self.batcher.get(epoch, index)
+        inp, tar, _ = batch.contiguous()
         if batch.rotated:
-            return batch.inp, batch.tar
-        return (batch.inp, batch.tar, *rotation_arrays(batch.draws, self.batcher.augmenter))
+            return inp, tar
+        return (inp, tar, *rotation_arrays(batch.draws, self.batcher.augmenter))
 
 
 class _ResidentFeed:
@@ -115,8 +116,10 @@ def rotate(x, perm_index, flips, sign, num_channels: int, vectors: VectorGroups)
 
 
 @pipeline_def(enable_conditionals=True)
-def _graph(feed: _BatcherFeed | _ResidentFeed, augmenter: Augmenter, crop_size: int, rotate_here: bool, on_gpu: bool, dtype):
+def _graph(feed: _BatcherFeed | _ResidentFeed, augmenter: Augmenter, crop_size: int, rotate_here: bool, on_gpu: bool,
+           dtype, channels_last: bool):  # fmt: skip
     device = "gpu" if on_gpu else "cpu"
+    layout = "CDHW"
     if isinstance(feed, _ResidentFeed):
         nbody, hydro = fn.external_source(
             feed.volumes, num_outputs=2, batch=True, batch_info=True, no_copy=True, device=device, layout=["CDHW"] * 2
@@ -128,9 +131,10 @@ def _graph(feed: _BatcherFeed | _ResidentFeed, augmenter: Augmenter, crop_size: 
             inp, tar = fn.cast(inp, dtype=types.FLOAT), fn.cast(tar, dtype=types.FLOAT)
     else:
         num_outputs = 2 if feed.batcher.rotate_here else 6
+        layout = "DHWC" if feed.batcher.channels_last else "CDHW"  # the batcher cut channels-last already
         inp, tar, *args = fn.external_source(
             feed, num_outputs=num_outputs, batch=True, batch_info=True, no_copy=True,
-            layout=["CDHW", "CDHW"] + [""] * (num_outputs - 2),
+            layout=[layout, layout] + [""] * (num_outputs - 2),
         )  # fmt: skip
         if on_gpu:
             inp, tar = inp.gpu(), tar.gpu()
@@ -140,6 +144,9 @@ def _graph(feed: _BatcherFeed | _ResidentFeed, augmenter: Augmenter, crop_size: 
             sign_in, sign_out = sign_in.gpu(), sign_out.gpu()
         inp = rotate(inp, perm_index, flips, sign_in, augmenter.in_channels, augmenter.in_vectors)
         tar = rotate(tar, perm_index, flips, sign_out, augmenter.out_channels, augmenter.out_vectors)
+    if channels_last and layout == "CDHW":  # on the device: one transpose to NDHWC, the model's memory format
+        inp = fn.transpose(inp, perm=[1, 2, 3, 0], transpose_layout=False)
+        tar = fn.transpose(tar, perm=[1, 2, 3, 0], transpose_layout=False)
     if dtype != types.FLOAT:
         inp = fn.cast(inp, dtype=dtype)
     return inp, tar
@@ -151,7 +158,8 @@ class DaliLoader:
     Inputs come in ``dtype`` (the engine's), targets in float32. Either ``batcher`` cuts the crops on
     CPU threads, or ``resident`` = (inputs, targets) volumes already on the device are cut here. With
     ``rotate_on_device`` the graph rotates; otherwise the batcher must have (``rotate_here``). The
-    first epoch (``first_epoch``) starts at batch ``first_batch``: a run resumed part-way through it.
+    first epoch (``first_epoch``) starts at batch ``first_batch``: a run resumed part-way through it. With
+    ``channels_last`` the batches are NDHWC in memory (torch's channels_last_3d), as the model then wants.
     """
 
     def __init__(
@@ -166,9 +174,11 @@ class DaliLoader:
         resident: tuple[Any, Any] | None = None,
         first_epoch: int = 0,
         first_batch: int = 0,
+        channels_last: bool = False,
     ) -> None:
         if (batcher is None) == (resident is None):
             raise ValueError("DaliLoader takes a batcher or resident volumes, not both")
+        self.channels_last = channels_last
         if batcher is not None:
             if batcher.rotate_here == rotate_on_device and plan.rotate:
                 raise ValueError("exactly one of the batcher and the device must rotate")
@@ -185,6 +195,7 @@ class DaliLoader:
             rotate_here=rotate_on_device and plan.rotate,
             on_gpu=device_id is not None,
             dtype=_DALI_DTYPES[dtype],
+            channels_last=channels_last,
             batch_size=plan.batch_size,
             num_threads=1,  # the graph's CPU work is bookkeeping: crops are cut by the batcher or on the GPU
             device_id=device_id,
@@ -200,6 +211,8 @@ class DaliLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for batch in self._iterator:
             inp, tar = batch[0]["inp"], batch[0]["tar"]
-            if inp.dtype != self.dtype:  # bfloat16 only: one cast kernel per batch
+            if self.channels_last:  # NDHWC in memory, seen as NCDHW: channels_last_3d strides, no copy
+                inp, tar = inp.permute(0, 4, 1, 2, 3), tar.permute(0, 4, 1, 2, 3)
+            if inp.dtype != self.dtype:  # bfloat16 only: one cast kernel per batch (keeps the memory format)
                 inp = inp.to(self.dtype)
             yield inp, tar

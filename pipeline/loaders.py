@@ -38,6 +38,7 @@ class LoaderSettings:
     device_storage_dtype: Literal["float32", "float16"]
     threads: int
     lookahead: int
+    channels_last: bool = False
 
 
 def effective_storage(storage: Storage, device_type: str) -> Storage:
@@ -119,8 +120,9 @@ def build_loader(
     """
     on_gpu = device.type == "cuda"
     common = dict(
-        plan=plan, augmenter=augmenter, dtype=dtype, rotate_on_device=on_gpu, first_epoch=first_epoch, first_batch=first_batch
-    )
+        plan=plan, augmenter=augmenter, dtype=dtype, rotate_on_device=on_gpu, first_epoch=first_epoch,
+        first_batch=first_batch, channels_last=settings.channels_last,
+    )  # fmt: skip
     if storage == "device":
         resident = to_device(volumes, device, settings.device_storage_dtype)
         sources = dict(resident=resident)
@@ -128,7 +130,10 @@ def build_loader(
         source = volumes.load() if storage == "host" else volumes
         # DALI may hold the batch it is processing and the one it prefetched; the torch loader copies at once.
         hold = 2 if settings.backend == "dali" else 1
-        batcher = CropBatcher(source, plan, augmenter, not on_gpu, settings.threads, settings.lookahead, hold)
+        # Cut straight into NDHWC buffers for channels-last batches, where the CPU does the rotation; where the
+        # device rotates, it also moves the channels.
+        channels_last = settings.channels_last and not on_gpu
+        batcher = CropBatcher(source, plan, augmenter, not on_gpu, settings.threads, settings.lookahead, hold, channels_last)
         sources = dict(batcher=batcher)
     if settings.backend == "dali":
         from pipeline.dali import DaliLoader  # imported here: machines without DALI use the torch backend

@@ -51,6 +51,7 @@ class TorchLoader:
         resident: tuple[torch.Tensor, torch.Tensor] | None = None,
         first_epoch: int = 0,
         first_batch: int = 0,
+        channels_last: bool = False,
     ) -> None:
         if (batcher is None) == (resident is None):
             raise ValueError("TorchLoader takes a batcher or resident volumes, not both")
@@ -60,6 +61,7 @@ class TorchLoader:
         self.rotate_on_device = rotate_on_device and plan.rotate
         self.batcher, self.resident = batcher, resident
         self.epoch, self.next_batch = first_epoch, first_batch
+        self.channels_last = channels_last
 
     def __len__(self) -> int:
         return self.plan.num_batches
@@ -71,7 +73,8 @@ class TorchLoader:
     def _batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.batcher is not None:
             batch = self.batcher.get(self.epoch, index)
-            # The batcher's buffer is reused later: copy it, to the device (or into a new CPU tensor).
+            # The batcher's buffer is reused later: copy it, to the device (or into a new CPU tensor), keeping its
+            # memory format (channels-last when the batcher cut it so).
             inp = torch.from_numpy(batch.inp).to(self.device, copy=True)
             tar = torch.from_numpy(batch.tar).to(self.device, copy=True)
             draws = batch.draws
@@ -91,6 +94,9 @@ class TorchLoader:
                     pairs.append((nbody[window], hydro[window]))
         inp = torch.stack([p[0] for p in pairs]).to(self.dtype)
         tar = torch.stack([p[1] for p in pairs]).float()
+        if self.channels_last:
+            inp = inp.contiguous(memory_format=torch.channels_last_3d)
+            tar = tar.contiguous(memory_format=torch.channels_last_3d)
         return inp, tar
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

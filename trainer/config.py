@@ -107,6 +107,14 @@ class Config:
     )
     lr_schedule: LRSchedule = _field(LRSchedule(), "learning-rate schedule")
     deepspeed_config: str = _field("ds_configs/ds_fp16.json", "DeepSpeed JSON: precision, optimizer, ZeRO")
+    # Fast paths: switches on the same code, each pinned to the plain path by an equivalence test
+    channels_last: bool = _field(
+        False,
+        "batches in channels-last 3D memory format (NDHWC), which convolutions then keep through the network "
+        "(the weights stay as they are: DeepSpeed broadcasts and flattens parameters as contiguous tensors)",
+    )
+    cudnn_benchmark: Optional[bool] = _field(None, "let cuDNN time and pick convolution algorithms (null: on with a GPU)")
+    compile: bool = _field(False, "compile the model with torch.compile through the engine (engine.compile())")
     seed: int = _field(0, "base seed: model init, and crops (each rank draws with seed + global rank)")
     # Logging and checkpoints
     log_every_steps: int = _field(20, "optimizer steps between log points")
@@ -349,7 +357,7 @@ RESUMABLE = {
     "train_path", "val_path", "train_path_npy_data", "train_path_npy_label", "val_path_npy_data",
     "val_path_npy_label", "storage", "device_storage_dtype", "backend", "num_data_workers", "data_prefetch",
     "log_every_steps", "checkpoint_keep", "cpu_threads", "dist_timeout_s", "nonfinite_loss",
-    "max_nonfinite_in_a_row", "data_checks", "science_every_epochs",
+    "max_nonfinite_in_a_row", "data_checks", "science_every_epochs", "channels_last", "cudnn_benchmark", "compile",
 }  # fmt: skip
 
 

@@ -192,6 +192,10 @@ class Trainer:
         self.stop = stop
         if device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // dist.local_world_size))
+            if cfg.cudnn_benchmark:
+                log.warning("cudnn_benchmark has no effect without a GPU")
+        else:
+            torch.backends.cudnn.benchmark = cfg.cudnn_benchmark is not False
         # Bad data, and data that cannot fit, are found before the engine is built, not after.
         self.train_volumes, self.val_volumes = (
             VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, cfg.data_size)
@@ -201,7 +205,7 @@ class Trainer:
             for volumes in (self.train_volumes, self.val_volumes):
                 volumes.check_finite(cfg.data_size, seed=cfg.seed)
         self.loader_settings = LoaderSettings(
-            cfg.backend, cfg.storage, cfg.device_storage_dtype, cfg.num_data_workers, cfg.data_prefetch
+            cfg.backend, cfg.storage, cfg.device_storage_dtype, cfg.num_data_workers, cfg.data_prefetch, cfg.channels_last
         )
         self.storage = effective_storage(cfg.storage, device.type)
         check_memory(self.storage, [self.train_volumes, self.val_volumes], self.loader_settings, dist.local_world_size)
@@ -242,6 +246,8 @@ class Trainer:
             )
         except ValueError as err:  # DeepSpeed's own config checks
             raise ConfigError(f"DeepSpeed rejected {cfg.deepspeed_config}: {err}") from None
+        if cfg.compile:
+            self.engine.compile()  # torch.compile of the module, through the engine (compiled on the first step)
         self.dtype = train_dtype(self.engine)
 
         # Where training stands: epoch index, micro-batches of it done, and what the summary reports.

@@ -1,0 +1,137 @@
+"""The fast paths are switches on the same code, each pinned to the plain path here."""
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from model import UNet, unet_loss
+from pipeline.crops import CropBatcher
+from pipeline.loaders import LoaderSettings, build_loader, to_device
+from pipeline.sampling import Augmenter
+from pipeline.volumes import VolumeFiles, VolumePair
+from tests.conftest import TINY_ARGS, EveryRotation, run_train
+
+CROP = 8
+AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
+CPU = torch.device("cpu")
+BACKENDS = ["torch"] + (["dali"] if importlib.util.find_spec("nvidia.dali") else [])
+CHANNELS_LAST = torch.channels_last_3d
+
+
+@pytest.fixture(scope="module")
+def volumes(tiny_data):
+    return VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP).load()
+
+
+def _epoch(loader):
+    return [(inp.clone(memory_format=torch.preserve_format), tar.clone(memory_format=torch.preserve_format)) for inp, tar in loader]
+
+
+PLAN = EveryRotation(seed=0, num_samples=28, batch_size=8, box_size=32, crop_size=CROP, rotate=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_channels_last_batches_hold_the_same_values(volumes, backend):
+    def batches(channels_last):
+        settings = LoaderSettings(backend, "host", "float32", 2, 2, channels_last=channels_last)
+        return _epoch(build_loader(volumes, PLAN, AUG, settings, "host", CPU, torch.float32))
+
+    for (a_inp, a_tar), (b_inp, b_tar) in zip(batches(False), batches(True), strict=True):
+        assert b_inp.is_contiguous(memory_format=CHANNELS_LAST) and b_tar.is_contiguous(memory_format=CHANNELS_LAST)
+        assert a_inp.is_contiguous() and torch.equal(a_inp, b_inp) and torch.equal(a_tar, b_tar)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("source", ["batcher", "resident"])
+def test_channels_last_on_the_device_paths(volumes, backend, source):
+    """Where the device rotates (run here on the CPU), it also moves the channels last."""
+    outputs = {}
+    for channels_last in (False, True):
+        common = dict(plan=PLAN, augmenter=AUG, dtype=torch.float32, rotate_on_device=True, channels_last=channels_last)
+        if source == "batcher":
+            feed = dict(batcher=CropBatcher(volumes, PLAN, AUG, rotate_here=False, threads=1, lookahead=1, hold=2))
+        else:
+            resident = to_device(volumes, CPU, "float32")
+            feed = dict(resident=tuple(t.numpy() for t in resident) if backend == "dali" else resident)
+        if backend == "dali":
+            from pipeline.dali import DaliLoader
+
+            loader = DaliLoader(device_id=None, **common, **feed)
+        else:
+            from pipeline.torch_backend import TorchLoader
+
+            loader = TorchLoader(device=CPU, **common, **feed)
+        outputs[channels_last] = _epoch(loader)
+    for (a_inp, a_tar), (b_inp, b_tar) in zip(outputs[False], outputs[True], strict=True):
+        assert b_inp.is_contiguous(memory_format=CHANNELS_LAST) and torch.equal(a_inp, b_inp) and torch.equal(a_tar, b_tar)
+
+
+def test_channels_last_gradients_match_the_plain_path():
+    torch.manual_seed(0)
+    net = UNet(4, 5, width=8, depth=3)
+    net.init_weights(conv_scale=0.1, conv_bias=0.0)
+    x, y = torch.randn(2, 4, 16, 16, 16), torch.rand(2, 5, 16, 16, 16) - 0.5
+    grads = []
+    for inp in (x, x.contiguous(memory_format=CHANNELS_LAST)):
+        net.zero_grad()
+        out = net(inp)
+        unet_loss(out, y).backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+        if inp.is_contiguous(memory_format=CHANNELS_LAST):
+            assert out.is_contiguous(memory_format=CHANNELS_LAST)  # the format carries through the network
+    for plain, fast in zip(*grads, strict=True):
+        torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-7)
+
+
+def _final_val_loss(tmp_path, name, *extra):
+    data = tmp_path.parent / "fast-data"
+    result = run_train([*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"),
+                        "--run_dir", str(tmp_path / name), "--num_epochs", "2", *extra])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads((tmp_path / name / "summary.json").read_text())["final_val_loss"]
+
+
+def test_training_with_the_fast_paths_matches_the_plain_path(tmp_path):
+    plain = _final_val_loss(tmp_path, "plain")
+    assert _final_val_loss(tmp_path, "channels_last", "--channels_last", "true") == pytest.approx(plain, rel=1e-5)
+    assert _final_val_loss(tmp_path, "compiled", "--compile", "true") == pytest.approx(plain, rel=1e-5)
+
+
+def test_cudnn_switch_warns_where_it_cannot_work(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the warning is for machines without a GPU")
+    data = tmp_path / "data"
+    result = run_train([*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"),
+                        "--run_dir", str(tmp_path / "run"), "--num_epochs", "1", "--cudnn_benchmark", "true"])  # fmt: skip
+    assert result.returncode == 0 and "cudnn_benchmark has no effect without a GPU" in result.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_training_step_does_not_synchronize_the_gpu():
+    """The engine's step (forward, backward, FusedAdam) in fp32 with nonfinite_loss: ignore queues its work
+    without waiting on the GPU. (fp16 and bf16 read an overflow flag on the host, by DeepSpeed's design.)"""
+    deepspeed = pytest.importorskip("deepspeed")
+
+    from tests.conftest import REPO
+    from trainer.dist import DistEnv
+    from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config
+    from trainer.trainer import init_distributed, train_step
+
+    init_distributed(DistEnv.from_environ({}), 60.0)
+    config = resolve_ds_config(load_ds_template(REPO / "ds_configs" / "ds_fp32.json"), BatchPlan(4, 1, 1), 1e-3, "cuda")
+    net = UNet(4, 5, width=8, depth=4)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    x = torch.randn(4, 4, 32, 32, 32, device=engine.device).contiguous(memory_format=CHANNELS_LAST)
+    y = torch.rand(4, 5, 32, 32, 32, device=engine.device) - 0.5
+    for _ in range(2):  # warm-up: first calls set things up
+        train_step(engine, x, y, 0.0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = train_step(engine, x, y, 0.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert np.isfinite(loss.item())
