@@ -69,8 +69,8 @@ def table(device: str, rows: list[dict[str, Any]]) -> str:
     ]
     for precision, ratio in engine_overhead(rows):
         lines.append(f"- DeepSpeed engine step / plain PyTorch step ({precision}, same model and batch): **{ratio:.3f}**")
-    for sweep, mode, who in (("weak", "synthetic", "DeepSpeed"), ("strong", "synthetic", "DeepSpeed"),
-                             ("weak", "plain", "plain PyTorch DDP")):  # fmt: skip
+    scaling_sweeps = sorted({r["sweep"] for r in rows if r["sweep"].startswith(("weak", "strong"))})
+    for sweep, mode, who in [(s, "synthetic", "DeepSpeed") for s in scaling_sweeps] + [("weak", "plain", "plain PyTorch DDP")]:
         points = scaling(rows, sweep, mode)
         if len(points) > 1:
             lines.append(
@@ -121,7 +121,7 @@ def plots(device: str, rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     written.append(_save(fig, device, out_dir / f"scaling_{slug}.png"))
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    phased = [r for r in rows if r.get("forward_ms_p50") is not None and r["sweep"] in ("baseline", "precision")]
+    phased = [r for r in rows if r.get("forward_ms_p50") is not None and r["sweep"] in ("baseline", "precision", "speed")]
     labels = [f"{r['case']}\n{r['mode']}" for r in phased]
     bottom = [0.0] * len(phased)
     for phase in ("forward", "backward", "optimizer"):

@@ -6,7 +6,8 @@
 Every case is its own process (its own ranks), launched by DeepSpeed's launcher on one node or by
 srun inside a Slurm allocation (``--launcher srun``); every record carries the sweep's run id.
 Sweeps: the baseline (IO, SYNTHETIC, FULL, and the plain loop), micro-batch, precision, weak scaling
-(micro-batch per rank fixed) and strong scaling (global batch fixed).
+(micro-batch per rank fixed) and strong scaling (global batch fixed); on GPUs also the fast paths off
+and on (``--preset gpu-speed``) and ZeRO stages 0/1/2 under weak scaling (``--preset gpu-comm``).
 """
 
 from __future__ import annotations
@@ -83,7 +84,41 @@ def gpu(max_ranks: int) -> tuple[list[str], list[Case]]:
     return base, cases
 
 
-PRESETS = {"cpu-smoke": cpu_smoke, "gpu": gpu}
+# Fast paths, off (the plain path) and on one at a time, then all together.
+FAST_PATHS = {
+    "channels_last": ["--channels_last", "true"],
+    "cudnn_benchmark": ["--cudnn_benchmark", "true"],
+    "compile": ["--compile", "true"],
+    "no step sync": ["--nonfinite_loss", "ignore"],
+}
+PLAIN_PATH = ["--channels_last", "false", "--cudnn_benchmark", "false", "--compile", "false", "--nonfinite_loss", "skip"]
+
+
+def gpu_speed(max_ranks: int) -> tuple[list[str], list[Case]]:
+    """One GPU, the reference model at 64^3, batch 64, fp16 and bf16: each fast path off and on."""
+    base, _ = gpu(max_ranks)
+    cases = []
+    for precision in ("fp16", "bf16"):
+        common = _batch(64, 1) + ["--deepspeed_config", PRECISION_JSON[precision], "--warmup", "10"] + PLAIN_PATH
+        cases.append(Case("speed", f"{precision} plain path", 1, ["synthetic", "full"], common))
+        for name, switch in FAST_PATHS.items():
+            cases.append(Case("speed", f"{precision} + {name}", 1, ["synthetic", "full"], common + switch))
+        every = [option for switch in FAST_PATHS.values() for option in switch]
+        cases.append(Case("speed", f"{precision} all fast paths", 1, ["synthetic", "full"], common + every))
+    return base, cases
+
+
+def gpu_comm(max_ranks: int) -> tuple[list[str], list[Case]]:
+    """Weak scaling with ZeRO stage 0 (all-reduce after backward), 1 and 2 (overlapped reduction)."""
+    base, _ = gpu(max_ranks)
+    ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
+    configs = {0: "ds_configs/ds_fp16.json", 1: "ds_configs/ds_fp16_zero1.json", 2: "ds_configs/ds_fp16_zero2.json"}
+    return base, [Case(f"weak-zero{stage}", f"{n} rank(s), micro 64, ZeRO {stage}", n, ["synthetic"],
+                       _batch(64, n) + ["--deepspeed_config", json_path])
+                  for stage, json_path in configs.items() for n in ranks]  # fmt: skip
+
+
+PRESETS = {"cpu-smoke": cpu_smoke, "gpu": gpu, "gpu-speed": gpu_speed, "gpu-comm": gpu_comm}
 
 
 def command(case: Case, launcher: str, ranks_per_node: int) -> list[str]:
@@ -109,22 +144,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no_report", action="store_true")
     args = parser.parse_args(argv)
     base, cases = PRESETS[args.preset](args.max_ranks)
-    if args.preset == "gpu" and not torch.cuda.is_available():
-        parser.error("the gpu preset needs a GPU")
+    if args.preset.startswith("gpu") and not torch.cuda.is_available():
+        parser.error(f"the {args.preset} preset needs a GPU")
     if not torch.cuda.is_available() and any(c.label == "bf16" for c in cases):
         from deepspeed.accelerator import get_accelerator
 
         if not get_accelerator().is_bf16_supported():
             cases = [c for c in cases if c.label != "bf16"]
-    cases = interleave_repeats(cases, ("weak", "strong"), args.scaling_repeats)
+    scaling_sweeps = tuple(sorted({c.sweep for c in cases if c.sweep.startswith(("weak", "strong"))}))
+    cases = interleave_repeats(cases, scaling_sweeps, args.scaling_repeats)
     run_id = time.strftime("%Y%m%dT%H%M%S")
     failures = []
     for case in cases:
         if args.only and case.sweep not in args.only:
             continue
-        cmd = [*command(case, args.launcher, args.ranks_per_node), *base, *case.options, "--modes", *case.modes,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--sweep", case.sweep, "--case", case.label,
-               "--run_id", run_id, "--repeat", str(case.repeat), "--out", str(args.out)]  # fmt: skip
+        # The case's own options come last: they override the sweep's (more warm-up to compile, say).
+        cmd = [*command(case, args.launcher, args.ranks_per_node), *base, "--modes", *case.modes, "--steps",
+               str(args.steps), "--warmup", str(args.warmup), "--sweep", case.sweep, "--case", case.label, "--run_id",
+               run_id, "--repeat", str(case.repeat), "--out", str(args.out), *case.options]  # fmt: skip
         print(f"[{case.sweep}] {case.label} (run {case.repeat + 1}): {' '.join(case.modes)}", flush=True)
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if result.returncode != 0:
