@@ -2,6 +2,9 @@
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,7 +15,7 @@ from pipeline.crops import CropBatcher
 from pipeline.loaders import LoaderSettings, build_loader, to_device
 from pipeline.sampling import Augmenter
 from pipeline.volumes import VolumeFiles, VolumePair
-from tests.conftest import TINY_ARGS, EveryRotation, run_train
+from tests.conftest import REPO, TINY_ARGS, EveryRotation, run_train
 
 CROP = 8
 AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
@@ -115,15 +118,15 @@ def test_a_training_step_does_not_synchronize_the_gpu():
     without waiting on the GPU. (fp16 and bf16 read an overflow flag on the host, by DeepSpeed's design.)"""
     deepspeed = pytest.importorskip("deepspeed")
 
-    from tests.conftest import REPO
     from trainer.dist import DistEnv
-    from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config
+    from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
     from trainer.trainer import init_distributed, train_step
 
     init_distributed(DistEnv.from_environ({}), 60.0)
     config = resolve_ds_config(load_ds_template(REPO / "ds_configs" / "ds_fp32.json"), BatchPlan(4, 1, 1), 1e-3, "cuda")
     net = UNet(4, 5, width=8, depth=4)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    skip_single_rank_reduction(engine)
     x = torch.randn(4, 4, 32, 32, 32, device=engine.device).contiguous(memory_format=CHANNELS_LAST)
     y = torch.rand(4, 5, 32, 32, 32, device=engine.device) - 0.5
     for _ in range(2):  # warm-up: first calls set things up
@@ -135,3 +138,44 @@ def test_a_training_step_does_not_synchronize_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert np.isfinite(loss.item())
+
+
+SINGLE_RANK_STEPS = """
+import torch, deepspeed
+from model import UNet
+from tests.conftest import REPO
+from trainer.dist import DistEnv
+from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
+from trainer.trainer import init_distributed, train_step
+
+device = init_distributed(DistEnv.from_environ(), 60.0)
+template = load_ds_template(REPO / "ds_configs" / "ds_fp32.json")
+config = resolve_ds_config(template, BatchPlan(2, 2, 1), 1e-3, device.type)
+engines = []
+for skip in (False, True):
+    torch.manual_seed(0)
+    net = UNet(4, 5, width=4, depth=2)
+    initial = [p.detach().clone() for p in net.parameters()]
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    assert skip_single_rank_reduction(engine) if skip else engine.enable_backward_allreduce
+    engines.append(engine)
+gen = torch.Generator().manual_seed(1)
+for _ in range(4):  # two optimizer steps of two micro-batches
+    x, y = torch.randn(2, 4, 8, 8, 8, generator=gen), torch.rand(2, 5, 8, 8, 8, generator=gen) - 0.5
+    for engine in engines:
+        train_step(engine, x.to(engine.device), y.to(engine.device), 0.1)
+assert engines[1].global_steps == 2 and not engines[1].enable_backward_allreduce
+reduced, skipped = ([p.detach().cpu() for p in engine.module.parameters()] for engine in engines)
+assert not all(torch.equal(p, q) for p, q in zip(reduced, initial)), "the weights did not move"
+assert all(torch.equal(p, q) for p, q in zip(reduced, skipped, strict=True)), "skipping the reduction changed them"
+print("same weights")
+"""
+
+
+def test_one_rank_skips_the_gradient_reduction_and_trains_the_same():
+    """DeepSpeed all-reduces gradients even over one rank; skipping that identity leaves every weight bit-equal."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    result = subprocess.run(
+        [sys.executable, "-c", SINGLE_RANK_STEPS], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and "same weights" in result.stdout, result.stderr[-2000:]

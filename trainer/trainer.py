@@ -45,6 +45,7 @@ from trainer.engine import (
     plan_batches,
     precision_name,
     resolve_ds_config,
+    skip_single_rank_reduction,
     train_dtype,
 )
 from trainer.errors import NumericalError
@@ -246,6 +247,7 @@ class Trainer:
             )
         except ValueError as err:  # DeepSpeed's own config checks
             raise ConfigError(f"DeepSpeed rejected {cfg.deepspeed_config}: {err}") from None
+        skip_single_rank_reduction(self.engine)
         if cfg.compile:
             self.engine.compile()  # torch.compile of the module, through the engine (compiled on the first step)
         self.dtype = train_dtype(self.engine)
