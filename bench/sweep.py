@@ -130,6 +130,14 @@ def command(case: Case, launcher: str, ranks_per_node: int) -> list[str]:
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(case.ranks), "--module", "bench.train"]
 
 
+def train_options(base: list[str], case: Case, args: argparse.Namespace, run_id: str) -> list[str]:
+    """The options of ``python -m bench.train`` for one case of a sweep."""
+    # The case's own options come last: they override the sweep's (more warm-up to compile, say).
+    return [*base, "--modes", *case.modes, "--steps", str(args.steps), "--warmup", str(args.warmup), "--sweep",
+            case.sweep, "--case", case.label, "--run_id", run_id, "--repeat", str(case.repeat), "--out", str(args.out),
+            *case.options]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smoke")
@@ -158,10 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     for case in cases:
         if args.only and case.sweep not in args.only:
             continue
-        # The case's own options come last: they override the sweep's (more warm-up to compile, say).
-        cmd = [*command(case, args.launcher, args.ranks_per_node), *base, "--modes", *case.modes, "--steps",
-               str(args.steps), "--warmup", str(args.warmup), "--sweep", case.sweep, "--case", case.label, "--run_id",
-               run_id, "--repeat", str(case.repeat), "--out", str(args.out), *case.options]  # fmt: skip
+        cmd = [*command(case, args.launcher, args.ranks_per_node), *train_options(base, case, args, run_id)]
         print(f"[{case.sweep}] {case.label} (run {case.repeat + 1}): {' '.join(case.modes)}", flush=True)
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if result.returncode != 0:

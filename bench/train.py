@@ -35,7 +35,7 @@ import torch.distributed as torch_dist
 from bench.env import REPO, environment
 from bench.flops import model_flops, utilization
 from model import UNet, unet_loss
-from trainer.config import add_config_options, build_config, load_named, parse_config_options
+from trainer.config import Config, add_config_options, build_config, load_named, parse_config_options
 from trainer.dist import DistEnv
 from trainer.engine import precision_name
 from trainer.trainer import Trainer, forward_loss, init_distributed, prepare_data
@@ -242,7 +242,8 @@ class Case:
         return record
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
+    """The harness's own options, and the training config from the config options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["synthetic"])
     parser.add_argument("--warmup", type=int, default=3, help="optimizer steps discarded before timing")
@@ -257,7 +258,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     add_config_options(parser)
     args, overrides = parse_config_options(parser, argv)
-    cfg = build_config(load_named(args.yaml_config, args.config), overrides)
+    return args, build_config(load_named(args.yaml_config, args.config), overrides)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, cfg = parse_args(argv)
     dist = DistEnv.from_environ()
     logging.basicConfig(level=logging.INFO if dist.is_main else logging.WARNING, format="%(asctime)s %(message)s",
                         datefmt="%H:%M:%S", force=True)  # fmt: skip

@@ -1,5 +1,6 @@
 """The training benchmark's measuring code: FLOPs, percentiles, warm-up, records, report."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -9,9 +10,11 @@ import pytest
 from bench.flops import model_flops, peak_flops, utilization
 from bench.report import engine_overhead, newest_runs, scaling
 from bench.report import main as report_main
-from bench.train import Marks, percentiles, timed
+from bench.sweep import PRESETS, train_options
+from bench.train import Marks, parse_args, percentiles, timed
 from model.unet import level_channels
 from tests.conftest import REPO, TINY_ARGS
+from trainer.engine import load_ds_template, plan_batches, resolve_ds_config
 
 
 def analytic_unet_flops(cin: int, cout: int, width: int, depth: int, crop: int) -> tuple[float, float]:
@@ -147,3 +150,20 @@ def test_report_takes_the_newest_run_and_derives_ratios(tmp_path):
     for png in ("scaling_cpu.png", "steps_cpu.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png})" in text
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_case_of_a_preset_is_a_valid_run(preset, tmp_path, monkeypatch):
+    """A typo in a GPU preset would surface only on a GPU machine, in its short loan: here every case's options
+    parse into a config whose batches fit the case's ranks, with a DeepSpeed JSON that resolves on its device."""
+    monkeypatch.chdir(REPO)  # the presets name files relative to the repository, as the sweep runs them
+    base, cases = PRESETS[preset](8)
+    sweep = argparse.Namespace(steps=10, warmup=3, out=tmp_path / "train.jsonl")
+    assert cases
+    for case in cases:
+        args, cfg = parse_args(train_options(base, case, sweep, "run"))
+        assert (args.modes, args.case, args.out) == (case.modes, case.label, sweep.out)
+        plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, case.ranks)
+        device = "cuda" if preset.startswith("gpu") else "cpu"
+        ds_config = resolve_ds_config(load_ds_template(cfg.deepspeed_config), plan, cfg.lr_schedule.start_lr, device)
+        assert ds_config["train_batch_size"] == plan.global_batch
