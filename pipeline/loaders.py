@@ -8,6 +8,7 @@ device: on a GPU by the backend's ops; on a CPU while the batcher cuts the crop 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -25,6 +26,13 @@ Storage = Literal["lazy", "host", "device"]
 Backend = Literal["dali", "torch"]
 
 _GIB = 2**30
+
+
+def dali_installed() -> bool:
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ModuleNotFoundError:  # not even the nvidia namespace
+        return False
 
 
 def _size(nbytes: float) -> str:

@@ -5,21 +5,20 @@ in GPU memory; on the CPU the same code runs on CPU data. CI runs the CPU varian
 ``bench/gpu_check.sh`` runs this file again, CUDA included (DALI where it is installed).
 """
 
-import importlib.util
 
 import numpy as np
 import pytest
 import torch
 
 from pipeline.crops import CropBatcher
-from pipeline.loaders import LoaderSettings, build_loader, to_device
+from pipeline.loaders import LoaderSettings, build_loader, dali_installed, to_device
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.volumes import VolumeFiles, VolumePair
 from tests.conftest import EveryRotation
 
 CROP = 8
 AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
-HAVE_DALI = importlib.util.find_spec("nvidia.dali") is not None
+HAVE_DALI = dali_installed()
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BACKENDS = ["torch"] + (["dali"] if HAVE_DALI else [])
 

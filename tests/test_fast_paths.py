@@ -1,6 +1,5 @@
 """The fast paths are switches on the same code, each pinned to the plain path here."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,7 +11,7 @@ import torch
 
 from model import UNet, unet_loss
 from pipeline.crops import CropBatcher
-from pipeline.loaders import LoaderSettings, build_loader, to_device
+from pipeline.loaders import LoaderSettings, build_loader, dali_installed, to_device
 from pipeline.sampling import Augmenter
 from pipeline.volumes import VolumeFiles, VolumePair
 from tests.conftest import REPO, TINY_ARGS, EveryRotation, run_train
@@ -20,7 +19,7 @@ from tests.conftest import REPO, TINY_ARGS, EveryRotation, run_train
 CROP = 8
 AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
 CPU = torch.device("cpu")
-BACKENDS = ["torch"] + (["dali"] if importlib.util.find_spec("nvidia.dali") else [])
+BACKENDS = ["torch"] + (["dali"] if dali_installed() else [])
 CHANNELS_LAST = torch.channels_last_3d
 
 

@@ -109,6 +109,32 @@ def test_bad_input_is_one_clear_line(tmp_path, extra, message):
     assert "Traceback" not in result.stderr
 
 
+HIDE_DALI = """
+import sys
+
+
+class NoDali:  # this interpreter behaves as if NVIDIA DALI were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[:2] == ["nvidia", "dali"]:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+
+sys.meta_path.insert(0, NoDali())
+"""
+
+
+def test_the_dali_backend_without_dali_is_one_clear_line(tmp_path, monkeypatch):
+    (tmp_path / "no-dali").mkdir()
+    (tmp_path / "no-dali" / "sitecustomize.py").write_text(HIDE_DALI)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "no-dali"))
+    result = run_train(_args(tmp_path, tmp_path / "run", "--backend", "dali"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    message = "backend: dali needs NVIDIA DALI, not installed here (requirements.txt); or set backend: torch"
+    assert len(errors) == 1 and errors[0].endswith(message)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_resume_without_a_checkpoint_is_an_error(tmp_path):
     result = run_train(["--run_dir", str(tmp_path / "empty"), "--resume"])
     assert result.returncode == 2 and "config.json not found" in result.stderr

@@ -32,7 +32,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from model import UNet, unet_loss
 from model.metrics import Normalization, compare
 from model.tiling import predict_box
-from pipeline.loaders import LoaderSettings, build_loader, check_memory, effective_storage
+from pipeline.loaders import LoaderSettings, build_loader, check_memory, dali_installed, effective_storage
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import ensure_box
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
@@ -191,6 +191,10 @@ class Trainer:
         self.cfg, self.name, self.dist, self.device, self.run_dir = cfg, name, dist, device, run_dir
         self.stop_after_epoch = stop_after_epoch
         self.stop = stop
+        if cfg.backend == "dali" and not dali_installed():
+            raise ConfigError(
+                "backend: dali needs NVIDIA DALI, not installed here (requirements.txt); or set backend: torch"
+            )
         if device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // dist.local_world_size))
             if cfg.cudnn_benchmark:
