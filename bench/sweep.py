@@ -2,6 +2,7 @@
 
     python -m bench.sweep --preset cpu-smoke          # this machine: 1 and 2 ranks, small model, a few minutes
     python -m bench.sweep --preset gpu --max_ranks 8  # a GPU node or allocation (see slurm/bench.sbatch)
+    python -m bench.sweep --preset gpu-speed --backend torch   # options it does not know go to every case
 
 Every case is its own process (its own ranks), launched by DeepSpeed's launcher on one node or by
 srun inside a Slurm allocation (``--launcher srun``); every record carries the sweep's run id.
@@ -22,7 +23,9 @@ from pathlib import Path
 import torch
 
 from bench.env import REPO
-from bench.train import RESULTS
+from bench.train import RESULTS, parse_args
+from pipeline.loaders import dali_installed
+from trainer.config import ConfigError
 
 PRECISION_JSON = {"fp32": "ds_configs/ds_fp32.json", "bf16": "ds_configs/ds_bf16.json", "fp16": "ds_configs/ds_fp16.json"}
 
@@ -132,14 +135,25 @@ def command(case: Case, launcher: str, ranks_per_node: int) -> list[str]:
 
 def train_options(base: list[str], case: Case, args: argparse.Namespace, run_id: str) -> list[str]:
     """The options of ``python -m bench.train`` for one case of a sweep."""
-    # The case's own options come last: they override the sweep's (more warm-up to compile, say).
+    # The case's own options override the sweep's (more warm-up to compile, say); the user's override both.
     return [*base, "--modes", *case.modes, "--steps", str(args.steps), "--warmup", str(args.warmup), "--sweep",
             case.sweep, "--case", case.label, "--run_id", run_id, "--repeat", str(case.repeat), "--out", str(args.out),
-            *case.options]  # fmt: skip
+            *case.options, *args.train_options]  # fmt: skip
+
+
+def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace) -> None:
+    """Every case's options make a valid run here, before the first one starts (a GPU's time is short)."""
+    for case in cases:
+        try:
+            _, cfg = parse_args(train_options(base, case, args, "check"))
+        except ConfigError as err:
+            sys.exit(f"case {case.label!r}: {err}")
+        if cfg.backend == "dali" and not dali_installed():
+            sys.exit(f"case {case.label!r}: backend dali, but NVIDIA DALI is not installed here: add --backend torch")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smoke")
     parser.add_argument("--max_ranks", type=int, default=2 if not torch.cuda.is_available() else torch.cuda.device_count())
     parser.add_argument("--launcher", choices=["deepspeed", "srun"], default="deepspeed")
@@ -150,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scaling_repeats", type=int, default=3, help="runs of each scaling case; the median counts")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no_report", action="store_true")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    args.train_options = rest  # options of bench.train for every case (--backend torch, say)
     base, cases = PRESETS[args.preset](args.max_ranks)
     if args.preset.startswith("gpu") and not torch.cuda.is_available():
         parser.error(f"the {args.preset} preset needs a GPU")
@@ -161,11 +176,11 @@ def main(argv: list[str] | None = None) -> None:
             cases = [c for c in cases if c.label != "bf16"]
     scaling_sweeps = tuple(sorted({c.sweep for c in cases if c.sweep.startswith(("weak", "strong"))}))
     cases = interleave_repeats(cases, scaling_sweeps, args.scaling_repeats)
+    cases = [c for c in cases if not args.only or c.sweep in args.only]
+    check_cases(base, cases, args)
     run_id = time.strftime("%Y%m%dT%H%M%S")
     failures = []
     for case in cases:
-        if args.only and case.sweep not in args.only:
-            continue
         cmd = [*command(case, args.launcher, args.ranks_per_node), *train_options(base, case, args, run_id)]
         print(f"[{case.sweep}] {case.label} (run {case.repeat + 1}): {' '.join(case.modes)}", flush=True)
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)

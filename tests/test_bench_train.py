@@ -158,11 +158,12 @@ def test_every_case_of_a_preset_is_a_valid_run(preset, tmp_path, monkeypatch):
     parse into a config whose batches fit the case's ranks, with a DeepSpeed JSON that resolves on its device."""
     monkeypatch.chdir(REPO)  # the presets name files relative to the repository, as the sweep runs them
     base, cases = PRESETS[preset](8)
-    sweep = argparse.Namespace(steps=10, warmup=3, out=tmp_path / "train.jsonl")
+    # Options the sweep does not know go to every case, after the case's own.
+    sweep = argparse.Namespace(steps=10, warmup=3, out=tmp_path / "train.jsonl", train_options=["--backend", "torch"])
     assert cases
     for case in cases:
         args, cfg = parse_args(train_options(base, case, sweep, "run"))
-        assert (args.modes, args.case, args.out) == (case.modes, case.label, sweep.out)
+        assert (args.modes, args.case, args.out, cfg.backend) == (case.modes, case.label, sweep.out, "torch")
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, case.ranks)
         device = "cuda" if preset.startswith("gpu") else "cpu"
         ds_config = resolve_ds_config(load_ds_template(cfg.deepspeed_config), plan, cfg.lr_schedule.start_lr, device)
