@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Wheels for a GPU machine that has PyTorch (CUDA), h5py and the usual scientific packages but no internet
+# (many compute nodes): DeepSpeed, built here since PyPI has only its source (its CUDA ops, FusedAdam among them,
+# are JIT-built there on first use), and the packages it needs that such images often lack, at the versions
+# constraints.txt pins. NVIDIA DALI (about 500 MB) only with WITH_DALI=1; without it, train with --backend torch.
+#
+#   bash bench/offline_wheels.sh DIR [PYTHON_VERSION]   # PYTHON_VERSION: the GPU machine's, e.g. 3.12
+#   # there:
+#   python3 -m pip install --no-index --no-deps --target SITE DIR/*.whl && export PYTHONPATH=SITE:$PWD
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir="${1:?usage: bench/offline_wheels.sh DIR [PYTHON_VERSION]}"
+pyver="${2:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}"
+pip="${PIP:-python3 -m pip}"
+pin() {  # the version constraints.txt or requirements.txt pins for a package
+  local found
+  found=$(grep -ihE "^$1==" constraints.txt requirements.txt | head -1)
+  [ -n "$found" ] || { echo "no pinned version of $1 in constraints.txt or requirements.txt" >&2; exit 2; }
+  echo "$found"
+}
+mkdir -p "$dir"
+$pip wheel --quiet --no-deps --wheel-dir "$dir" "$(pin deepspeed)"
+packages=("$(pin hjson)" "$(pin pydantic)" "$(pin pydantic_core)" "$(pin annotated-types)" "$(pin typing-inspection)")
+[ "${WITH_DALI:-0}" = 1 ] && packages+=("$(pin nvidia-dali-cuda120)")
+platforms=()
+for p in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
+  platforms+=(--platform "${p}_$(uname -m)")
+done
+$pip download --quiet --no-deps --only-binary=:all: --implementation cp --python-version "$pyver" \
+  "${platforms[@]}" --dest "$dir" "${packages[@]}"
+ls -1 "$dir"
