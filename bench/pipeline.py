@@ -119,6 +119,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         cases: dict[str, Any] = {"baseline": baseline}
         for backend in backends:
             for storage in storages:
+                if storage == "device" and backend != "torch":
+                    continue  # device storage is the torch backend's gather, whichever the backend
                 settings = LoaderSettings(backend, storage, "float16", args.threads, lookahead=2)
                 cases[f"{backend}-{storage}"] = lambda s=settings, v=volumes, p=plan: build_loader(v, p, AUG, s, s.storage, device, dtype)
         # Repeats go round all cases, so that drift on a shared machine spreads over every case alike.

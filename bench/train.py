@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
                 "world_size": dist.world_size, "micro_batch": case.micro, "accumulation": case.accumulation,
                 "global_batch": engine.train_batch_size(), "precision": precision, "crop": cfg.data_size,
                 "unet_width": cfg.unet_width, "unet_depth": cfg.unet_depth, "parameters": trainer.num_parameters,
-                "storage": trainer.storage, "backend": cfg.backend, "threads_per_rank": torch.get_num_threads(),
+                "storage": trainer.storage, "backend": trainer.backend, "threads_per_rank": torch.get_num_threads(),
                 "fast_paths": {"channels_last": cfg.channels_last, "cudnn_benchmark": torch.backends.cudnn.benchmark,
                                "compile": cfg.compile, "nonfinite_loss": cfg.nonfinite_loss},
                 "zero_stage": trainer.ds_config.get("zero_optimization", {}).get("stage", 0),

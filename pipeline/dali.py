@@ -1,10 +1,10 @@
-"""DALI pipelines: batches from an external source, cut and rotated on the training device.
+"""DALI pipelines: batches from an external source, rotated on the training device.
 
-The graph reads like the recipe: take the crops (from the CPU batcher, or cut here from volumes
-resident on the device), rotate them unless the batcher already did (inputs and targets alike,
-vector channels turned with the volume), cast the input to the dtype the engine trains in. Targets
-stay float32, the precision of the loss: float16 would round them by up to 2.4e-4, a visible share
-of a converged L1 of about 5e-3. The same graph runs on the CPU (``device_id=None``) and on a GPU.
+The graph reads like the recipe: take the crops the CPU batcher cut, rotate them unless it already did
+(inputs and targets alike, vector channels turned with the volume), cast the input to the dtype the
+engine trains in. Targets stay float32, the precision of the loss: float16 would round them by up to
+2.4e-4, a visible share of a converged L1 of about 5e-3. The same graph runs on the CPU
+(``device_id=None``) and on a GPU.
 """
 
 from __future__ import annotations
@@ -45,43 +45,20 @@ def _position(info: Any, first_epoch: int, first_batch: int, num_batches: int) -
 
 
 class _BatcherFeed:
-    """External-source callback: the batcher's batch for DALI's (epoch, iteration)."""
+    """External-source callback: the batcher's batch for DALI's (epoch, iteration), and the arguments
+    of its rotations where the graph rotates (``rotate_here``)."""
 
-    def __init__(self, batcher: CropBatcher, first_epoch: int, first_batch: int) -> None:
+    def __init__(self, batcher: CropBatcher, first_epoch: int, first_batch: int, rotate_here: bool) -> None:
         self.batcher, self.first_epoch, self.first_batch = batcher, first_epoch, first_batch
+        self.rotate_here = rotate_here
 
     def __call__(self, info: Any) -> tuple[np.ndarray, ...]:  # info: nvidia.dali.types.BatchInfo
         epoch, index = _position(info, self.first_epoch, self.first_batch, self.batcher.plan.num_batches)
         batch = self.batcher.get(epoch, index)
         inp, tar, _ = batch.contiguous()
-        if batch.rotated:
+        if not self.rotate_here:
             return inp, tar
         return (inp, tar, *rotation_arrays(batch.draws, self.batcher.augmenter))
-
-
-class _ResidentFeed:
-    """External-source callbacks for volumes resident on the device: the volumes, and where to cut.
-
-    ``volumes`` returns the same two (C, L, L, L) buffers once per sample; DALI references them
-    without copying (``no_copy``), and ``fn.slice`` cuts each sample's crop on the device.
-    """
-
-    def __init__(self, nbody: Any, hydro: Any, plan: DrawPlan, augmenter: Augmenter, first_epoch: int, first_batch: int) -> None:
-        self.nbody, self.hydro, self.plan, self.augmenter = nbody, hydro, plan, augmenter
-        self.first_epoch, self.first_batch = first_epoch, first_batch
-        self.half = str(nbody.dtype).removeprefix("torch.") == "float16"  # numpy or torch volumes
-
-    def _draws(self, info: Any) -> list[SampleDraw]:
-        return self.plan.batch_draws(*_position(info, self.first_epoch, self.first_batch, self.plan.num_batches))
-
-    def volumes(self, info: Any) -> tuple[list[Any], list[Any]]:
-        n = len(self._draws(info))
-        return [self.nbody] * n, [self.hydro] * n
-
-    def cuts(self, info: Any) -> tuple[np.ndarray, ...]:
-        draws = self._draws(info)
-        anchors = np.array([d.corner for d in draws], dtype=np.int32)
-        return (anchors, *rotation_arrays(draws, self.augmenter))
 
 
 def _gather_channels(x, order: tuple[int, ...]):
@@ -116,28 +93,15 @@ def rotate(x, perm_index, flips, sign, num_channels: int, vectors: VectorGroups)
 
 
 @pipeline_def(enable_conditionals=True)
-def _graph(feed: _BatcherFeed | _ResidentFeed, augmenter: Augmenter, crop_size: int, rotate_here: bool, on_gpu: bool,
-           dtype, channels_last: bool):  # fmt: skip
-    device = "gpu" if on_gpu else "cpu"
-    layout = "CDHW"
-    if isinstance(feed, _ResidentFeed):
-        nbody, hydro = fn.external_source(
-            feed.volumes, num_outputs=2, batch=True, batch_info=True, no_copy=True, device=device, layout=["CDHW"] * 2
-        )
-        anchor, *args = fn.external_source(feed.cuts, num_outputs=5, batch=True, batch_info=True)
-        inp = fn.slice(nbody, anchor, [crop_size] * 3, axes=[1, 2, 3])
-        tar = fn.slice(hydro, anchor, [crop_size] * 3, axes=[1, 2, 3])
-        if feed.half:  # float16 storage: widen the crops (DALI's CPU flip takes no float16; targets are float32)
-            inp, tar = fn.cast(inp, dtype=types.FLOAT), fn.cast(tar, dtype=types.FLOAT)
-    else:
-        num_outputs = 2 if feed.batcher.rotate_here else 6
-        layout = "DHWC" if feed.batcher.channels_last else "CDHW"  # the batcher cut channels-last already
-        inp, tar, *args = fn.external_source(
-            feed, num_outputs=num_outputs, batch=True, batch_info=True, no_copy=True,
-            layout=[layout, layout] + [""] * (num_outputs - 2),
-        )  # fmt: skip
-        if on_gpu:
-            inp, tar = inp.gpu(), tar.gpu()
+def _graph(feed: _BatcherFeed, augmenter: Augmenter, rotate_here: bool, on_gpu: bool, dtype, channels_last: bool):
+    num_outputs = 6 if rotate_here else 2
+    layout = "DHWC" if feed.batcher.channels_last else "CDHW"  # the batcher cut channels-last already
+    inp, tar, *args = fn.external_source(
+        feed, num_outputs=num_outputs, batch=True, batch_info=True, no_copy=True,
+        layout=[layout, layout] + [""] * (num_outputs - 2),
+    )  # fmt: skip
+    if on_gpu:
+        inp, tar = inp.gpu(), tar.gpu()
     if rotate_here:
         perm_index, flips, sign_in, sign_out = args
         if on_gpu:
@@ -155,11 +119,12 @@ def _graph(feed: _BatcherFeed | _ResidentFeed, augmenter: Augmenter, crop_size: 
 class DaliLoader:
     """Iterates over one epoch of (input, target) NCDHW torch tensors per ``for`` loop.
 
-    Inputs come in ``dtype`` (the engine's), targets in float32. Either ``batcher`` cuts the crops on
-    CPU threads, or ``resident`` = (inputs, targets) volumes already on the device are cut here. With
-    ``rotate_on_device`` the graph rotates; otherwise the batcher must have (``rotate_here``). The
-    first epoch (``first_epoch``) starts at batch ``first_batch``: a run resumed part-way through it. With
-    ``channels_last`` the batches are NDHWC in memory (torch's channels_last_3d), as the model then wants.
+    Inputs come in ``dtype`` (the engine's), targets in float32. ``batcher`` cuts the crops on CPU
+    threads; with ``rotate_on_device`` the graph rotates them, otherwise the batcher must have
+    (``rotate_here``). The first epoch (``first_epoch``) starts at batch ``first_batch``: a run resumed
+    part-way through it. With ``channels_last`` the batches are NDHWC in memory (torch's
+    channels_last_3d), as the model then wants. (Volumes resident on a GPU are cut by the torch
+    backend's gather: DALI's GPU external source would copy a batch that lists the same volume per sample.)
     """
 
     def __init__(
@@ -170,34 +135,27 @@ class DaliLoader:
         device_id: int | None,
         dtype: torch.dtype,
         rotate_on_device: bool,
-        batcher: CropBatcher | None = None,
-        resident: tuple[Any, Any] | None = None,
+        batcher: CropBatcher,
         first_epoch: int = 0,
         first_batch: int = 0,
         channels_last: bool = False,
     ) -> None:
-        if (batcher is None) == (resident is None):
-            raise ValueError("DaliLoader takes a batcher or resident volumes, not both")
+        if batcher.rotate_here == rotate_on_device and plan.rotate:
+            raise ValueError("exactly one of the batcher and the device must rotate")
         self.channels_last = channels_last
-        if batcher is not None:
-            if batcher.rotate_here == rotate_on_device and plan.rotate:
-                raise ValueError("exactly one of the batcher and the device must rotate")
-            feed: _BatcherFeed | _ResidentFeed = _BatcherFeed(batcher, first_epoch, first_batch)
-        else:
-            feed = _ResidentFeed(*resident, plan, augmenter, first_epoch, first_batch)
         self.batcher = batcher
         self.num_batches = plan.num_batches
         self.dtype = dtype
+        rotate_here = rotate_on_device and plan.rotate
         pipe = _graph(
-            feed=feed,
+            feed=_BatcherFeed(batcher, first_epoch, first_batch, rotate_here),
             augmenter=augmenter,
-            crop_size=plan.crop_size,
-            rotate_here=rotate_on_device and plan.rotate,
+            rotate_here=rotate_here,
             on_gpu=device_id is not None,
             dtype=_DALI_DTYPES[dtype],
             channels_last=channels_last,
             batch_size=plan.batch_size,
-            num_threads=1,  # the graph's CPU work is bookkeeping: crops are cut by the batcher or on the GPU
+            num_threads=1,  # the graph's CPU work is bookkeeping: crops are cut by the batcher
             device_id=device_id,
             prefetch_queue_depth=1,  # the batcher already works ahead
             seed=0,  # the graph draws nothing itself: all randomness comes from the plan

@@ -1,9 +1,10 @@
 """Storage modes and backends put together: the loaders a training run iterates over.
 
 ``lazy`` reads each crop from the files, ``host`` loads the volumes into this process's memory,
-``device`` loads them into GPU memory (float16 optionally, to halve the footprint) where the backend
-cuts and rotates crops with no per-step copy of crops from the host. Rotation happens on the training
-device: on a GPU by the backend's ops; on a CPU while the batcher cuts the crop (one fused copy).
+``device`` loads them into GPU memory (float16 optionally, to halve the footprint), where one gather
+per tensor cuts and rotates each batch (``pipeline.torch_backend.DeviceCutter``, whichever the backend),
+with no per-step copy from the host. Rotation happens on the training device: on a GPU by the
+backend's ops; on a CPU while the batcher cuts the crop (one fused copy).
 """
 
 from __future__ import annotations
@@ -131,22 +132,21 @@ def build_loader(
         plan=plan, augmenter=augmenter, dtype=dtype, rotate_on_device=on_gpu, first_epoch=first_epoch,
         first_batch=first_batch, channels_last=settings.channels_last,
     )  # fmt: skip
-    if storage == "device":
-        resident = to_device(volumes, device, settings.device_storage_dtype)
-        sources = dict(resident=resident)
-    else:
-        source = volumes.load() if storage == "host" else volumes
-        # DALI may hold the batch it is processing and the one it prefetched; the torch loader copies at once.
-        hold = 2 if settings.backend == "dali" else 1
-        # Cut straight into NDHWC buffers for channels-last batches, where the CPU does the rotation; where the
-        # device rotates, it also moves the channels.
-        channels_last = settings.channels_last and not on_gpu
-        batcher = CropBatcher(source, plan, augmenter, not on_gpu, settings.threads, settings.lookahead, hold, channels_last)
-        sources = dict(batcher=batcher)
+    from pipeline.torch_backend import TorchLoader
+
+    if storage == "device":  # both backends: one gather per tensor cuts and rotates the batch on the GPU
+        return TorchLoader(device=device, resident=to_device(volumes, device, settings.device_storage_dtype), **common)
+    source = volumes.load() if storage == "host" else volumes
+    # DALI may hold the batch it is processing and the one it prefetched; the torch loader copies at once.
+    hold = 2 if settings.backend == "dali" else 1
+    # Cut straight into NDHWC buffers for channels-last batches, where the CPU does the rotation; where the
+    # device rotates, it also moves the channels.
+    channels_last = settings.channels_last and not on_gpu
+    batcher = CropBatcher(
+        source, plan, augmenter, not on_gpu, settings.threads, settings.lookahead, hold, channels_last
+    )
     if settings.backend == "dali":
         from pipeline.dali import DaliLoader  # imported here: machines without DALI use the torch backend
 
-        return DaliLoader(device_id=device.index if on_gpu else None, **common, **sources)
-    from pipeline.torch_backend import TorchLoader
-
-    return TorchLoader(device=device, **common, **sources)
+        return DaliLoader(device_id=device.index if on_gpu else None, batcher=batcher, **common)
+    return TorchLoader(device=device, batcher=batcher, **common)

@@ -1,42 +1,98 @@
-"""The torch backend: the DALI pipeline's semantics with torch ops, for machines without DALI.
+"""The torch backend: the DALI pipeline's semantics with torch ops, for machines without DALI, and the
+device-storage path of both backends.
 
-Crops come from the same CPU batcher (or are sliced from volumes resident on the device); the
-rotation, where the device does it, is a permute (a view), a flip and a channel gather, then the
-vector components' signs, on the training device. For the same draws the samples equal the DALI
-backend's and the numpy reference's (tested).
+Where the device cuts and rotates, a batch is one gather per tensor (``DeviceCutter``): crops of volumes
+resident on the device, or of a batch the CPU batcher cut and this loader copied over, rotated and laid out
+(channels-last included) in the same pass, with no per-sample kernels and no host synchronization. For the
+same draws the samples equal the DALI backend's and the numpy reference's (tested).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from pipeline.crops import CropBatcher
-from pipeline.rotations import ROTATIONS, Rotation, VectorGroups, channel_order, channel_signs
+from pipeline.rotations import ROTATIONS, VectorGroups, channel_order, channel_signs
 from pipeline.sampling import Augmenter, DrawPlan, SampleDraw
 
 
-def rotate_tensor(x: torch.Tensor, rot: Rotation, vectors: VectorGroups) -> torch.Tensor:
-    """``x`` (C, D, H, W) rotated as ``pipeline.rotations.rotate_into`` does, as a new tensor."""
-    y = x.permute(0, *(1 + p for p in rot.perm))
-    flips = [1 + a for a in range(3) if rot.signs[a] < 0]
-    if flips:
-        y = y.flip(flips)
-    order = channel_order(rot.perm, x.shape[0], vectors)
-    y = y[list(order)] if order != tuple(range(x.shape[0])) else y.contiguous()
-    negative = [c for c, s in enumerate(channel_signs(rot, x.shape[0], vectors)) if s < 0]
-    if negative:
-        y[negative] = -y[negative]
-    return y
+class DeviceCutter:
+    """Cuts and rotates the crops of a batch on the device: one gather per tensor.
+
+    Output voxel (c, i0, i1, i2) of sample b reads source channel ``order[c]`` at the coordinates where
+    input axis ``perm[a]`` takes ``corner + i_a`` (``corner + S - 1 - i_a`` where the rotation reverses
+    output axis a), times the channel's sign: ``pipeline.rotations.rotate_into``, exactly. The spatial
+    offset of each output voxel is the sum of three per-axis vectors, so the only large index tensor is
+    (B, S, S, S); the per-sample arguments reach the device in one small non-blocking copy.
+    """
+
+    def __init__(self, augmenter: Augmenter, crop_size: int, device: torch.device) -> None:
+        self.crop_size, self.device = crop_size, device
+        self.steps = torch.arange(crop_size, device=device)
+        self.perm = torch.tensor([rot.perm for rot in ROTATIONS], device=device)  # (24, 3)
+        self.flip = torch.tensor([[s < 0 for s in rot.signs] for rot in ROTATIONS], device=device)
+        self.tables = [
+            self._channel_tables(augmenter.in_channels, augmenter.in_vectors),
+            self._channel_tables(augmenter.out_channels, augmenter.out_vectors),
+        ]
+
+    def _channel_tables(self, channels: int, groups: VectorGroups) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per rotation: the source channel of each output channel, and its sign."""
+        order = [channel_order(rot.perm, channels, groups) for rot in ROTATIONS]
+        sign = np.stack([channel_signs(rot, channels, groups) for rot in ROTATIONS]).astype(np.float32)
+        return torch.tensor(order, device=self.device), torch.from_numpy(sign).to(self.device)
+
+    def arguments(self, draws: list[SampleDraw], cut_already: bool) -> torch.Tensor:
+        """(B, 5) int64 on the device: rotation, corner, source index.
+
+        Crops are cut at each draw's corner from one source (resident volumes), or, ``cut_already`` by
+        the batcher, are sample b of a source batch, whole.
+        """
+        host = torch.zeros((len(draws), 5), dtype=torch.int64)
+        host[:, 0] = torch.tensor([d.rotation for d in draws])
+        if cut_already:
+            host[:, 4] = torch.arange(len(draws))
+        else:
+            host[:, 1:4] = torch.tensor([d.corner for d in draws])
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
+
+    def __call__(self, sources: tuple[torch.Tensor, torch.Tensor], args: torch.Tensor, dtypes: tuple[torch.dtype, ...],
+                 channels_last: bool) -> list[torch.Tensor]:  # fmt: skip
+        """The (inputs, targets) of the batch from ``sources``, each (C, L, L, L) or (N, C, L, L, L), on the device."""
+        size, extent = self.crop_size, sources[0].shape[-1]
+        rotation, corner, source = args[:, 0], args[:, 1:4], args[:, 4]
+        perm, flip = self.perm[rotation], self.flip[rotation]  # (B, 3): the input axis feeding output axis a
+        # Along output axis a: the coordinates on input axis perm[a], times that axis's stride in the volume.
+        coords = torch.where(flip[..., None], size - 1 - self.steps, self.steps) + corner.gather(1, perm)[..., None]
+        offsets = coords * (extent ** (2 - perm))[..., None]  # (B, 3, S)
+        spatial = offsets[:, 0, :, None, None] + offsets[:, 1, None, :, None] + offsets[:, 2, None, None, :]
+        out = []
+        for volume, (order_table, sign_table), dtype in zip(sources, self.tables, dtypes, strict=True):
+            channels = volume.shape[-4]
+            rows = source[:, None] * channels + order_table[rotation]  # (B, C): row of the (N * C, L^3) view
+            sign = sign_table[rotation]
+            flat = volume.reshape(-1, extent**3)  # a view where the volume is contiguous, as it is here
+            if channels_last:  # gathered straight into NDHWC memory, seen as NCDHW
+                batch = flat[rows[:, None, None, None, :], spatial[..., None]] * sign[:, None, None, None, :]
+                batch = batch.permute(0, 4, 1, 2, 3)
+            else:
+                batch = flat[rows[:, :, None, None, None], spatial[:, None]] * sign[:, :, None, None, None]
+            out.append(batch.to(dtype))
+        return out
 
 
 class TorchLoader:
     """Iterates over one epoch of (input, target) NCDHW tensors on ``device`` per ``for`` loop.
 
     Inputs come in ``dtype``, targets in float32, as from ``DaliLoader``, which this mirrors: either
-    ``batcher`` cuts the crops on CPU threads, or ``resident`` volumes on ``device`` are sliced here;
-    the first epoch starts at ``first_batch``.
+    ``batcher`` cuts the crops on CPU threads, or ``resident`` volumes on ``device`` are cut here (the
+    device storage of both backends); the first epoch starts at ``first_batch``. With
+    ``rotate_on_device`` the device cuts and rotates (``DeviceCutter``), and the batcher must not rotate.
     """
 
     def __init__(
@@ -57,8 +113,10 @@ class TorchLoader:
             raise ValueError("TorchLoader takes a batcher or resident volumes, not both")
         if batcher is not None and batcher.rotate_here == rotate_on_device and plan.rotate:
             raise ValueError("exactly one of the batcher and the device must rotate")
-        self.plan, self.augmenter, self.device, self.dtype = plan, augmenter, device, dtype
-        self.rotate_on_device = rotate_on_device and plan.rotate
+        if resident is not None and not rotate_on_device:
+            raise ValueError("resident volumes are cut on the device: rotate_on_device must be set")
+        self.plan, self.device, self.dtype = plan, device, dtype
+        self.cutter = DeviceCutter(augmenter, plan.crop_size, device) if rotate_on_device else None
         self.batcher, self.resident = batcher, resident
         self.epoch, self.next_batch = first_epoch, first_batch
         self.channels_last = channels_last
@@ -66,38 +124,22 @@ class TorchLoader:
     def __len__(self) -> int:
         return self.plan.num_batches
 
-    def _rotate(self, inp: torch.Tensor, tar: torch.Tensor, draw: SampleDraw) -> tuple[torch.Tensor, torch.Tensor]:
-        rot = ROTATIONS[draw.rotation]
-        return rotate_tensor(inp, rot, self.augmenter.in_vectors), rotate_tensor(tar, rot, self.augmenter.out_vectors)
-
     def _batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.batcher is not None:
-            batch = self.batcher.get(self.epoch, index)
-            # The batcher's buffer is reused later: copy it, to the device (or into a new CPU tensor), keeping its
-            # memory format (channels-last when the batcher cut it so).
-            inp = torch.from_numpy(batch.inp).to(self.device, copy=True)
-            tar = torch.from_numpy(batch.tar).to(self.device, copy=True)
-            draws = batch.draws
-            if not self.rotate_on_device:
-                return inp.to(self.dtype), tar
-            pairs = [self._rotate(inp[j], tar[j], d) for j, d in enumerate(draws)]
+        if self.batcher is None:
+            args = self.cutter.arguments(self.plan.batch_draws(self.epoch, index), cut_already=False)
+            return self.cutter(self.resident, args, (self.dtype, torch.float32), self.channels_last)
+        batch = self.batcher.get(self.epoch, index)
+        # The batcher's buffer is reused later: copy it, to the device (or into a new CPU tensor, keeping its
+        # memory format: channels-last when the batcher cut it so).
+        if self.device.type == "cuda":  # staged in pinned memory, the copy to the GPU needs no host sync
+            pinned = (torch.from_numpy(a).pin_memory() for a in (batch.inp, batch.tar))
+            inp, tar = (t.to(self.device, non_blocking=True) for t in pinned)
         else:
-            nbody, hydro = self.resident
-            size = self.plan.crop_size
-            pairs = []
-            for draw in self.plan.batch_draws(self.epoch, index):
-                x, y, z = draw.corner
-                window = (slice(None), slice(x, x + size), slice(y, y + size), slice(z, z + size))
-                if self.rotate_on_device:
-                    pairs.append(self._rotate(nbody[window], hydro[window], draw))
-                else:
-                    pairs.append((nbody[window], hydro[window]))
-        inp = torch.stack([p[0] for p in pairs]).to(self.dtype)
-        tar = torch.stack([p[1] for p in pairs]).float()
-        if self.channels_last:
-            inp = inp.contiguous(memory_format=torch.channels_last_3d)
-            tar = tar.contiguous(memory_format=torch.channels_last_3d)
-        return inp, tar
+            inp, tar = torch.from_numpy(batch.inp).clone(), torch.from_numpy(batch.tar).clone()
+        if self.cutter is None:
+            return inp.to(self.dtype), tar
+        args = self.cutter.arguments(batch.draws, cut_already=True)
+        return self.cutter((inp, tar), args, (self.dtype, torch.float32), self.channels_last)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for index in range(self.next_batch, self.plan.num_batches):

@@ -37,12 +37,9 @@ def _loader(backend, device, volumes, source, storage_dtype, dtype, aug=AUG, pla
     if source == "batcher":
         hold = 2 if backend == "dali" else 1
         sources = dict(batcher=CropBatcher(volumes, plan, aug, rotate_here=False, threads=2, lookahead=2, hold=hold))
-    else:
-        resident = to_device(volumes, device, storage_dtype)
-        if backend == "dali" and device.type == "cpu":
-            resident = tuple(t.numpy() for t in resident)  # DALI's CPU external source takes numpy
-        sources = dict(resident=resident)
-    if backend == "dali":
+    else:  # resident volumes are cut by the torch backend's gather, whichever the backend (build_loader)
+        sources = dict(resident=to_device(volumes, device, storage_dtype))
+    if backend == "dali" and source == "batcher":
         from pipeline.dali import DaliLoader
 
         return DaliLoader(device_id=device.index if device.type == "cuda" else None, **common, **sources)
@@ -102,6 +99,24 @@ def test_gpu_storage_modes_give_the_same_samples(volumes, tiny_data, backend, st
         for j, draw in enumerate(plan.batch_draws(0, b)):
             ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
             assert np.array_equal(inp[j].cpu().numpy(), ref_inp) and np.array_equal(tar[j].cpu().numpy(), ref_tar)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("storage", ["host", "device"])
+def test_gpu_batches_of_the_torch_backend_need_no_host_sync(tiny_data, storage):
+    """Pinned staging and the batched gather: a batch is queued on the GPU without waiting for it."""
+    plan = DrawPlan(seed=0, num_samples=24, batch_size=8, box_size=32, crop_size=CROP, rotate=True)
+    opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP)
+    settings = LoaderSettings("torch", storage, "float32", threads=2, lookahead=2, channels_last=True)
+    batches = iter(build_loader(opened, plan, AUG, settings, storage, torch.device("cuda", 0), torch.float16))
+    next(batches)  # the first batch sets things up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rest = list(batches)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(rest) == 2 and all(inp.is_contiguous(memory_format=torch.channels_last_3d) for inp, _ in rest)
 
 
 def test_dali_is_checked_where_installed():

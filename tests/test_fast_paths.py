@@ -12,7 +12,7 @@ import torch
 from model import UNet, unet_loss
 from pipeline.crops import CropBatcher
 from pipeline.loaders import LoaderSettings, build_loader, dali_installed, to_device
-from pipeline.sampling import Augmenter
+from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.volumes import VolumeFiles, VolumePair
 from tests.conftest import REPO, TINY_ARGS, EveryRotation, run_train
 
@@ -48,17 +48,18 @@ def test_channels_last_batches_hold_the_same_values(volumes, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("source", ["batcher", "resident"])
-def test_channels_last_on_the_device_paths(volumes, backend, source):
-    """Where the device rotates (run here on the CPU), it also moves the channels last."""
+@pytest.mark.parametrize("rotate", [True, False], ids=["training", "validation"])
+def test_channels_last_on_the_device_paths(volumes, backend, source, rotate):
+    """Where the device rotates (run here on the CPU), it also moves the channels last, unrotated batches too."""
+    plan = PLAN if rotate else DrawPlan(seed=0, num_samples=20, batch_size=8, box_size=32, crop_size=CROP, rotate=False)
     outputs = {}
     for channels_last in (False, True):
-        common = dict(plan=PLAN, augmenter=AUG, dtype=torch.float32, rotate_on_device=True, channels_last=channels_last)
+        common = dict(plan=plan, augmenter=AUG, dtype=torch.float32, rotate_on_device=True, channels_last=channels_last)
         if source == "batcher":
-            feed = dict(batcher=CropBatcher(volumes, PLAN, AUG, rotate_here=False, threads=1, lookahead=1, hold=2))
-        else:
-            resident = to_device(volumes, CPU, "float32")
-            feed = dict(resident=tuple(t.numpy() for t in resident) if backend == "dali" else resident)
-        if backend == "dali":
+            feed = dict(batcher=CropBatcher(volumes, plan, AUG, rotate_here=False, threads=1, lookahead=1, hold=2))
+        else:  # cut by the torch backend's gather, whichever the backend (build_loader)
+            feed = dict(resident=to_device(volumes, CPU, "float32"))
+        if backend == "dali" and source == "batcher":
             from pipeline.dali import DaliLoader
 
             loader = DaliLoader(device_id=None, **common, **feed)

@@ -213,6 +213,10 @@ class Trainer:
             cfg.backend, cfg.storage, cfg.device_storage_dtype, cfg.num_data_workers, cfg.data_prefetch, cfg.channels_last
         )
         self.storage = effective_storage(cfg.storage, device.type)
+        # Volumes resident on the GPU are cut by the torch backend's gather, whichever the backend.
+        self.backend = "torch" if self.storage == "device" else cfg.backend
+        if self.backend != cfg.backend:
+            log.info("storage: device: crops are cut and rotated on the GPU by one gather per batch (torch backend)")
         check_memory(self.storage, [self.train_volumes, self.val_volumes], self.loader_settings, dist.local_world_size)
 
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size)
@@ -465,7 +469,7 @@ class Trainer:
             "device": _device_name(self.device),
             "precision": precision_name(self.dtype),
             "storage": self.storage,
-            "backend": self.cfg.backend,
+            "backend": self.backend,
             "parameters": self.num_parameters,
             **self._rank_digests(),
         }
