@@ -111,6 +111,7 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
         # With one GPU visible per task (Slurm's --gpus-per-task), that GPU is 0 whatever the local rank.
         index = dist.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
+        os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed takes its device from LOCAL_RANK
     deepspeed.init_distributed(
         dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
     )
