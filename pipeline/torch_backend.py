@@ -20,13 +20,15 @@ from pipeline.sampling import Augmenter, DrawPlan, SampleDraw
 
 
 class DeviceCutter:
-    """Cuts and rotates the crops of a batch on the device: one gather per tensor.
+    """Cuts and rotates the crops of a batch on the device: two gathers and one multiply per tensor.
 
     Output voxel (c, i0, i1, i2) of sample b reads source channel ``order[c]`` at the coordinates where
     input axis ``perm[a]`` takes ``corner + i_a`` (``corner + S - 1 - i_a`` where the rotation reverses
     output axis a), times the channel's sign: ``pipeline.rotations.rotate_into``, exactly. The spatial
-    offset of each output voxel is the sum of three per-axis vectors, so the only large index tensor is
-    (B, S, S, S); the per-sample arguments reach the device in one small non-blocking copy.
+    offset of each output voxel is the sum of three per-axis vectors; one gather takes every channel at
+    those offsets (the (B, S^3) offsets broadcast over channels), a second puts the channels in order (in
+    NDHWC memory for channels-last), and the sign multiply writes the training dtype. The per-sample
+    arguments reach the device in one small non-blocking copy.
     """
 
     def __init__(self, augmenter: Augmenter, crop_size: int, device: torch.device) -> None:
@@ -46,43 +48,46 @@ class DeviceCutter:
         return torch.tensor(order, device=self.device), torch.from_numpy(sign).to(self.device)
 
     def arguments(self, draws: list[SampleDraw], cut_already: bool) -> torch.Tensor:
-        """(B, 5) int64 on the device: rotation, corner, source index.
+        """(B, 4) int64 on the device: rotation and corner of each sample.
 
-        Crops are cut at each draw's corner from one source (resident volumes), or, ``cut_already`` by
-        the batcher, are sample b of a source batch, whole.
+        Crops are cut at each draw's corner from resident volumes, or were cut by the batcher
+        (``cut_already``): then sample b is the whole of the source batch's sample b (corner 0).
         """
-        host = torch.zeros((len(draws), 5), dtype=torch.int64)
+        host = torch.zeros((len(draws), 4), dtype=torch.int64)
         host[:, 0] = torch.tensor([d.rotation for d in draws])
-        if cut_already:
-            host[:, 4] = torch.arange(len(draws))
-        else:
-            host[:, 1:4] = torch.tensor([d.corner for d in draws])
+        if not cut_already:
+            host[:, 1:] = torch.tensor([d.corner for d in draws])
         if self.device.type == "cuda":
             return host.pin_memory().to(self.device, non_blocking=True)
         return host
 
     def __call__(self, sources: tuple[torch.Tensor, torch.Tensor], args: torch.Tensor, dtypes: tuple[torch.dtype, ...],
                  channels_last: bool) -> list[torch.Tensor]:  # fmt: skip
-        """The (inputs, targets) of the batch from ``sources``, each (C, L, L, L) or (N, C, L, L, L), on the device."""
-        size, extent = self.crop_size, sources[0].shape[-1]
-        rotation, corner, source = args[:, 0], args[:, 1:4], args[:, 4]
+        """The (inputs, targets) of the batch from ``sources``: volumes (C, L, L, L) or batches (B, C, S, S, S)."""
+        size, extent, batch = self.crop_size, sources[0].shape[-1], len(args)
+        rotation, corner = args[:, 0], args[:, 1:]
         perm, flip = self.perm[rotation], self.flip[rotation]  # (B, 3): the input axis feeding output axis a
         # Along output axis a: the coordinates on input axis perm[a], times that axis's stride in the volume.
         coords = torch.where(flip[..., None], size - 1 - self.steps, self.steps) + corner.gather(1, perm)[..., None]
         offsets = coords * (extent ** (2 - perm))[..., None]  # (B, 3, S)
         spatial = offsets[:, 0, :, None, None] + offsets[:, 1, None, :, None] + offsets[:, 2, None, None, :]
+        spatial = spatial.view(batch, 1, size**3)
         out = []
         for volume, (order_table, sign_table), dtype in zip(sources, self.tables, dtypes, strict=True):
             channels = volume.shape[-4]
-            rows = source[:, None] * channels + order_table[rotation]  # (B, C): row of the (N * C, L^3) view
-            sign = sign_table[rotation]
-            flat = volume.reshape(-1, extent**3)  # a view where the volume is contiguous, as it is here
-            if channels_last:  # gathered straight into NDHWC memory, seen as NCDHW
-                batch = flat[rows[:, None, None, None, :], spatial[..., None]] * sign[:, None, None, None, :]
-                batch = batch.permute(0, 4, 1, 2, 3)
+            flat = volume.reshape(-1, channels, extent**3).expand(batch, -1, -1)  # one volume serves every sample
+            taken = torch.gather(flat, 2, spatial.expand(-1, channels, -1))  # (B, C, S^3): source channel order
+            order, sign = order_table[rotation], sign_table[rotation]  # (B, C)
+            if channels_last:  # NDHWC memory, seen as NCDHW
+                ordered = torch.gather(taken.transpose(1, 2), 2, order[:, None, :].expand(-1, size**3, -1))
+                result = torch.empty((batch, size, size, size, channels), dtype=dtype, device=volume.device)
+                torch.mul(ordered.view(result.shape), sign[:, None, None, None, :], out=result)
+                out.append(result.permute(0, 4, 1, 2, 3))
             else:
-                batch = flat[rows[:, :, None, None, None], spatial[:, None]] * sign[:, :, None, None, None]
-            out.append(batch.to(dtype))
+                ordered = torch.gather(taken, 1, order[:, :, None].expand(-1, -1, size**3))
+                result = torch.empty((batch, channels, size, size, size), dtype=dtype, device=volume.device)
+                torch.mul(ordered.view(result.shape), sign[:, :, None, None, None], out=result)
+                out.append(result)
         return out
 
 

@@ -192,7 +192,12 @@ class Trainer:
         self.cfg, self.name, self.dist, self.device, self.run_dir = cfg, name, dist, device, run_dir
         self.stop_after_epoch = stop_after_epoch
         self.stop = stop
-        if cfg.backend == "dali" and not dali_installed():
+        self.storage = effective_storage(cfg.storage, device.type)
+        # Volumes resident on the GPU are cut by the torch backend's gather, whichever the backend.
+        self.backend = "torch" if self.storage == "device" else cfg.backend
+        if self.backend != cfg.backend:
+            log.info("storage: device: crops are cut and rotated on the GPU by one gather per batch (torch backend)")
+        if self.backend == "dali" and not dali_installed():
             raise ConfigError(
                 "backend: dali needs NVIDIA DALI, not installed here (requirements.txt); or set backend: torch"
             )
@@ -213,11 +218,6 @@ class Trainer:
         self.loader_settings = LoaderSettings(
             cfg.backend, cfg.storage, cfg.device_storage_dtype, cfg.num_data_workers, cfg.data_prefetch, cfg.channels_last
         )
-        self.storage = effective_storage(cfg.storage, device.type)
-        # Volumes resident on the GPU are cut by the torch backend's gather, whichever the backend.
-        self.backend = "torch" if self.storage == "device" else cfg.backend
-        if self.backend != cfg.backend:
-            log.info("storage: device: crops are cut and rotated on the GPU by one gather per batch (torch backend)")
         check_memory(self.storage, [self.train_volumes, self.val_volumes], self.loader_settings, dist.local_world_size)
 
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size)
