@@ -170,6 +170,18 @@ def test_science_metrics_during_training(trained, tmp_path):
     science = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "science/l1_gas_density" in line]
     assert [r["epoch"] for r in science] == [2]
     assert {"science/gas_density_power_ratio_low_k", "science/temperature_r_low_k"} <= set(science[0])
+    assert science[0]["science/box_size"] == 32  # the whole validation box
+
+
+def test_science_metrics_on_a_fixed_sub_volume(trained, tmp_path):
+    run = tmp_path / "run"
+    result = run_train([*TINY_ARGS, "--train_path", str(trained["train"]), "--val_path", str(trained["val"]),
+                        "--run_dir", str(run), "--num_epochs", "2", "--science_every_epochs", "1",
+                        "--science_box_size", "16"])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    science = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "science/box_size" in line]
+    assert [(r["epoch"], r["science/box_size"]) for r in science] == [(1, 16), (2, 16)]
+    assert science[0]["science/l1_gas_density"] != science[1]["science/l1_gas_density"]  # the same box, trained on
 
 
 def test_predict_reads_npy_inputs(trained, tmp_path):

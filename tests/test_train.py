@@ -99,6 +99,8 @@ def test_a_new_run_never_reuses_a_run_dir_with_checkpoints(straight, tmp_path):
         (["--num_epochs", "three"], "num_epochs must be int, got 'three'"),
         (["--global_batch_size", "12", "--micro_batch_size", "8"], "not a multiple of micro_batch_size 8"),
         (["--deepspeed_config", "/nonexistent.json"], "cannot read DeepSpeed config /nonexistent.json"),
+        (["--science_box_size", "8"], "science_box_size 8 is smaller than data_size 16"),
+        (["--science_box_size", "64"], "science_box_size 64 is larger than the validation box (32)"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, extra, message):

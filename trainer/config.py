@@ -122,7 +122,12 @@ class Config:
     cpu_threads: Optional[int] = _field(None, "torch threads per rank on CPU (null: cores / ranks on this node)")
     dist_timeout_s: float = _field(600.0, "how long a collective waits for a missing rank before failing")
     science_every_epochs: int = _field(
-        0, "every this many epochs, predict the whole validation box (tiled) and log its science metrics (0: never)"
+        0, "every this many epochs, predict the validation box (tiled) and log its science metrics (0: never)"
+    )
+    science_box_size: Optional[int] = _field(
+        None,
+        "side of the fixed sub-volume (at the validation box's origin, taken as periodic) that those metrics "
+        "cover; null: the whole box",
     )
     # Faults
     nonfinite_loss: Literal["skip", "stop", "ignore"] = _field(
@@ -146,6 +151,8 @@ class Config:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.science_every_epochs < 0:
             raise ConfigError(f"science_every_epochs must not be negative, got {self.science_every_epochs}")
+        if self.science_box_size is not None and self.science_box_size < self.data_size:
+            raise ConfigError(f"science_box_size {self.science_box_size} is smaller than data_size {self.data_size}")
         if self.dist_timeout_s <= 0:
             raise ConfigError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
         if self.data_prefetch < 0:
@@ -357,7 +364,8 @@ RESUMABLE = {
     "train_path", "val_path", "train_path_npy_data", "train_path_npy_label", "val_path_npy_data",
     "val_path_npy_label", "storage", "device_storage_dtype", "backend", "num_data_workers", "data_prefetch",
     "log_every_steps", "checkpoint_keep", "cpu_threads", "dist_timeout_s", "nonfinite_loss",
-    "max_nonfinite_in_a_row", "data_checks", "science_every_epochs", "channels_last", "cudnn_benchmark", "compile",
+    "max_nonfinite_in_a_row", "data_checks", "science_every_epochs", "science_box_size", "channels_last",
+    "cudnn_benchmark", "compile",
 }  # fmt: skip
 
 

@@ -212,6 +212,9 @@ class Trainer:
             VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, cfg.data_size)
             for split in ("train", "val")
         )
+        val_side = self.val_volumes.nbody.shape[1]
+        if cfg.science_box_size is not None and cfg.science_box_size > val_side:
+            raise ConfigError(f"science_box_size {cfg.science_box_size} is larger than the validation box ({val_side})")
         if cfg.data_checks != "none":
             for volumes in (self.train_volumes, self.val_volumes):
                 volumes.check_finite(cfg.data_size, seed=cfg.seed)
@@ -364,16 +367,21 @@ class Trainer:
         log.info("checkpoint %s saved", tag)
 
     def _science_metrics(self) -> None:
-        """Rank 0 predicts the whole validation box, tiled as ``python -m model.predict`` does, and logs the
-        statistics of model.metrics (L1 per channel, power-spectrum ratio and r(k) at low k)."""
+        """Rank 0 predicts the validation box (or its fixed sub-volume at the origin, science_box_size, taken
+        as periodic), tiled as ``python -m model.predict`` does, and logs the statistics of model.metrics
+        (L1 per channel, power-spectrum ratio and r(k) at low k)."""
         if self.dist.is_main:
             cfg, volumes = self.cfg, self.val_volumes
+            side = cfg.science_box_size or volumes.nbody.shape[1]
+            region = np.s_[:, :side, :side, :side]
             micro = self.engine.train_micro_batch_size_per_gpu()
-            pred = predict_box(self.engine.module, volumes.nbody, cfg.N_out_channels, cfg.data_size, cfg.data_size // 4,
-                               micro, self.engine.device)  # fmt: skip
+            pred = predict_box(self.engine.module, np.asarray(volumes.nbody[region]), cfg.N_out_channels, cfg.data_size,
+                               cfg.data_size // 4, micro, self.engine.device)  # fmt: skip
             attrs = h5py.File(volumes.files.targets, "r").attrs if volumes.files.format == "hdf5" else {}
-            metrics = compare(pred, np.asarray(volumes.hydro[...], dtype=np.float32), Normalization.from_attrs(attrs))
-            scalars = {f"science/l1_{name}": value for name, value in metrics["l1"].items()}
+            truth = np.asarray(volumes.hydro[region], dtype=np.float32)
+            metrics = compare(pred, truth, Normalization.from_attrs(attrs))
+            scalars = {"science/box_size": float(side)}
+            scalars |= {f"science/l1_{name}": value for name, value in metrics["l1"].items()}
             scalars |= {f"science/{name}": value for name, value in metrics["summary"].items()}
             self.runlog.write(self.engine.global_steps, epoch=self.epoch + 1, **scalars)
             log.info("science metrics: %s", ", ".join(f"{k.removeprefix('science/')} {v:.4f}" for k, v in scalars.items()))
