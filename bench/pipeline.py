@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from bench.env import REPO, environment
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
-from pipeline.loaders import LoaderSettings, build_loader
+from pipeline.loaders import LoaderSettings, build_loader, crop_backend
 from pipeline.rotations import ROTATIONS, channel_order, channel_signs
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import SyntheticSpec, write_box
@@ -119,8 +119,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         cases: dict[str, Any] = {"baseline": baseline}
         for backend in backends:
             for storage in storages:
-                if storage == "device" and backend != "torch":
-                    continue  # device storage is the torch backend's gather, whichever the backend
+                if crop_backend(backend, storage) != backend:
+                    continue  # measured under the backend that really cuts these crops
                 settings = LoaderSettings(backend, storage, "float16", args.threads, lookahead=2)
                 cases[f"{backend}-{storage}"] = lambda s=settings, v=volumes, p=plan: build_loader(v, p, AUG, s, s.storage, device, dtype)
         # Repeats go round all cases, so that drift on a shared machine spreads over every case alike.

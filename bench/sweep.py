@@ -24,8 +24,9 @@ import torch
 
 from bench.env import REPO
 from bench.train import RESULTS, parse_args
-from pipeline.loaders import dali_installed
+from pipeline.loaders import crop_backend, dali_installed
 from trainer.config import ConfigError
+from trainer.engine import load_ds_template, plan_batches, resolve_ds_config
 
 PRECISION_JSON = {"fp32": "ds_configs/ds_fp32.json", "bf16": "ds_configs/ds_bf16.json", "fp16": "ds_configs/ds_fp16.json"}
 
@@ -142,16 +143,26 @@ def train_options(base: list[str], case: Case, args: argparse.Namespace, run_id:
             *case.options, *args.train_options]  # fmt: skip
 
 
-def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace) -> None:
-    """Every case's options make a valid run here, before the first one starts (a GPU's time is short)."""
+def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, device_type: str) -> list[tuple]:
+    """Every case makes a valid run on ``device_type`` (its options, its batches over its ranks, its DeepSpeed
+    JSON, DALI where its crops need it), checked before the first one starts: a GPU's time is short.
+
+    Returns (bench.train's options, config, resolved DeepSpeed config) per case; exits on the first bad one.
+    """
+    checked = []
     for case in cases:
         try:
-            _, cfg = parse_args(train_options(base, case, args, "check"))
+            options, cfg = parse_args(train_options(base, case, args, "check"))
+            plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, case.ranks)
+            template = load_ds_template(cfg.deepspeed_config)
+            ds_config = resolve_ds_config(template, plan, cfg.lr_schedule.start_lr, device_type)
         except ConfigError as err:
             sys.exit(f"case {case.label!r}: {err}")
-        on_device = cfg.storage == "device" and torch.cuda.is_available()  # cut by the torch gather, DALI or not
-        if cfg.backend == "dali" and not on_device and not dali_installed():
+        storage = cfg.storage if device_type == "cuda" else "host"  # only whether it is "device" matters here
+        if crop_backend(cfg.backend, storage) == "dali" and not dali_installed():
             sys.exit(f"case {case.label!r}: backend dali, but NVIDIA DALI is not installed here: add --backend torch")
+        checked.append((options, cfg, ds_config))
+    return checked
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -179,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     scaling_sweeps = tuple(sorted({c.sweep for c in cases if c.sweep.startswith(("weak", "strong"))}))
     cases = interleave_repeats(cases, scaling_sweeps, args.scaling_repeats)
     cases = [c for c in cases if not args.only or c.sweep in args.only]
-    check_cases(base, cases, args)
+    check_cases(base, cases, args, "cuda" if torch.cuda.is_available() else "cpu")
     run_id = time.strftime("%Y%m%dT%H%M%S")
     failures = []
     for case in cases:

@@ -58,6 +58,13 @@ def effective_storage(storage: Storage, device_type: str) -> Storage:
     return storage
 
 
+def crop_backend(backend: Backend, storage: Storage) -> Backend:
+    """The backend that really cuts the crops, for an effective ``storage``: volumes resident on the GPU are
+    cut by the torch backend's gather whichever the backend (DALI's GPU external source would copy a batch
+    that lists the same volume once per sample)."""
+    return "torch" if storage == "device" else backend
+
+
 def _available_host_bytes() -> int | None:
     try:
         with open("/proc/meminfo") as f:
@@ -134,18 +141,19 @@ def build_loader(
     )  # fmt: skip
     from pipeline.torch_backend import TorchLoader
 
-    if storage == "device":  # both backends: one gather per tensor cuts and rotates the batch on the GPU
+    backend = crop_backend(settings.backend, storage)
+    if storage == "device":  # one gather per tensor cuts and rotates the batch on the GPU
         return TorchLoader(device=device, resident=to_device(volumes, device, settings.device_storage_dtype), **common)
     source = volumes.load() if storage == "host" else volumes
     # DALI may hold the batch it is processing and the one it prefetched; the torch loader copies at once.
-    hold = 2 if settings.backend == "dali" else 1
+    hold = 2 if backend == "dali" else 1
     # Cut straight into NDHWC buffers for channels-last batches, where the CPU does the rotation; where the
     # device rotates, it also moves the channels.
     channels_last = settings.channels_last and not on_gpu
     batcher = CropBatcher(
         source, plan, augmenter, not on_gpu, settings.threads, settings.lookahead, hold, channels_last
     )
-    if settings.backend == "dali":
+    if backend == "dali":
         from pipeline.dali import DaliLoader  # imported here: machines without DALI use the torch backend
 
         return DaliLoader(device_id=device.index if on_gpu else None, batcher=batcher, **common)

@@ -10,11 +10,11 @@ import pytest
 from bench.flops import model_flops, peak_flops, utilization
 from bench.report import engine_overhead, newest_runs, scaling
 from bench.report import main as report_main
-from bench.sweep import PRESETS, train_options
-from bench.train import Marks, parse_args, percentiles, timed
+from bench.sweep import PRESETS, check_cases
+from bench.train import Marks, percentiles, timed
 from model.unet import level_channels
 from tests.conftest import REPO, TINY_ARGS
-from trainer.engine import load_ds_template, plan_batches, resolve_ds_config
+from trainer.engine import plan_batches
 
 
 def analytic_unet_flops(cin: int, cout: int, width: int, depth: int, crop: int) -> tuple[float, float]:
@@ -161,10 +161,8 @@ def test_every_case_of_a_preset_is_a_valid_run(preset, tmp_path, monkeypatch):
     # Options the sweep does not know go to every case, after the case's own.
     sweep = argparse.Namespace(steps=10, warmup=3, out=tmp_path / "train.jsonl", train_options=["--backend", "torch"])
     assert cases
-    for case in cases:
-        args, cfg = parse_args(train_options(base, case, sweep, "run"))
+    device = "cuda" if preset.startswith("gpu") else "cpu"
+    for case, (args, cfg, ds_config) in zip(cases, check_cases(base, cases, sweep, device), strict=True):
         assert (args.modes, args.case, args.out, cfg.backend) == (case.modes, case.label, sweep.out, "torch")
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, case.ranks)
-        device = "cuda" if preset.startswith("gpu") else "cpu"
-        ds_config = resolve_ds_config(load_ds_template(cfg.deepspeed_config), plan, cfg.lr_schedule.start_lr, device)
         assert ds_config["train_batch_size"] == plan.global_batch

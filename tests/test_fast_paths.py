@@ -103,13 +103,15 @@ def test_training_with_the_fast_paths_matches_the_plain_path(tmp_path):
     assert _final_val_loss(tmp_path, "compiled", "--compile", "true") == pytest.approx(plain, rel=1e-5)
 
 
-def test_cudnn_switch_warns_where_it_cannot_work(tmp_path):
+def test_switches_warn_where_they_cannot_work(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the warning is for machines without a GPU")
     data = tmp_path / "data"
     result = run_train([*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"),
-                        "--run_dir", str(tmp_path / "run"), "--num_epochs", "1", "--cudnn_benchmark", "true"])  # fmt: skip
+                        "--run_dir", str(tmp_path / "run"), "--num_epochs", "1", "--cudnn_benchmark", "true",
+                        "--science_box_size", "16"])  # fmt: skip
     assert result.returncode == 0 and "cudnn_benchmark has no effect without a GPU" in result.stderr
+    assert "science_box_size has no effect without science_every_epochs" in result.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -32,7 +32,14 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from model import UNet, unet_loss
 from model.metrics import Normalization, compare
 from model.tiling import predict_box
-from pipeline.loaders import LoaderSettings, build_loader, check_memory, dali_installed, effective_storage
+from pipeline.loaders import (
+    LoaderSettings,
+    build_loader,
+    check_memory,
+    crop_backend,
+    dali_installed,
+    effective_storage,
+)
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import ensure_box
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
@@ -193,8 +200,7 @@ class Trainer:
         self.stop_after_epoch = stop_after_epoch
         self.stop = stop
         self.storage = effective_storage(cfg.storage, device.type)
-        # Volumes resident on the GPU are cut by the torch backend's gather, whichever the backend.
-        self.backend = "torch" if self.storage == "device" else cfg.backend
+        self.backend = crop_backend(cfg.backend, self.storage)
         if self.backend != cfg.backend:
             log.info("storage: device: crops are cut and rotated on the GPU by one gather per batch (torch backend)")
         if self.backend == "dali" and not dali_installed():
@@ -207,6 +213,10 @@ class Trainer:
                 log.warning("cudnn_benchmark has no effect without a GPU")
         else:
             torch.backends.cudnn.benchmark = cfg.cudnn_benchmark is not False
+            if cfg.cpu_threads:
+                log.warning("cpu_threads has no effect when training on a GPU")
+        if cfg.science_box_size is not None and not cfg.science_every_epochs:
+            log.warning("science_box_size has no effect without science_every_epochs")
         # Bad data, and data that cannot fit, are found before the engine is built, not after.
         self.train_volumes, self.val_volumes = (
             VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, cfg.data_size)
