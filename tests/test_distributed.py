@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import REPO, TINY_ARGS
+from tests.conftest import REPO, TINY_ARGS, run_train
 
 DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
 
@@ -47,6 +47,41 @@ def test_two_ranks_through_a_launcher(tmp_path, launcher):
             per_rank = record["loss/train_per_rank"]
             assert record["loss/train"] == pytest.approx(sum(per_rank) / 2, rel=1e-12)  # the mean, not rank 0's
             assert per_rank[0] != per_rank[1]
+
+
+def _launch_two_ranks(args):
+    command = [*DEEPSPEED, "--num_gpus", "2", "ds_train.py", *args]
+    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _files(directory):
+    return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_zero_stages_train_like_stage_0_and_resume_on_as_many_ranks(tmp_path):
+    """ZeRO stages 1 and 2 (ds_configs/ds_fp16_zero*.json; fp32 on a CPU) split the optimizer over the ranks and
+    end on stage 0's weights, bit for bit. A stopped stage-2 run resumes exactly on its 2 ranks; on 1 rank it is
+    one clear line (DeepSpeed cannot split its optimizer states anew), and the checkpoint is left as it was."""
+    runs = {stage: tmp_path / f"zero{stage}" for stage in (0, 1, 2)}
+    zero_json = {1: "ds_configs/ds_fp16_zero1.json", 2: "ds_configs/ds_fp16_zero2.json"}
+    _launch_two_ranks(_args(tmp_path, runs[0], "--num_epochs", "3"))
+    _launch_two_ranks(_args(tmp_path, runs[1], "--num_epochs", "3", "--deepspeed_config", zero_json[1]))
+    stopped = ["--num_epochs", "3", "--deepspeed_config", zero_json[2], "--stop_after_epoch", "2"]
+    _launch_two_ranks(_args(tmp_path, runs[2], *stopped))
+    checkpoints = _files(runs[2] / "checkpoints")
+    one_rank = run_train(["--run_dir", str(runs[2]), "--resume"])
+    assert one_rank.returncode != 0
+    assert "holds ZeRO optimizer states split over 2 rank(s), this run has 1: resume on 2 rank(s)" in one_rank.stderr
+    assert "Traceback" not in one_rank.stderr
+    assert _files(runs[2] / "checkpoints") == checkpoints
+    _launch_two_ranks(["--run_dir", str(runs[2]), "--resume"])
+    summaries = {stage: _summary(run) for stage, run in runs.items()}
+    assert [s["zero_stage"] for s in summaries.values()] == [0, 1, 2]
+    assert summaries[2]["resumed_from"] == {"epoch": 2, "batch_in_epoch": 0} and summaries[2]["steps"] == 48
+    weights = {stage: s["rank_weight_digests"] for stage, s in summaries.items()}
+    assert weights[0][0] == weights[0][1] and weights[1] == weights[0] and weights[2] == weights[0]
+    assert summaries[0]["final_val_loss"] < summaries[0]["initial_val_loss"]
 
 
 def test_a_dead_rank_ends_the_job_promptly(tmp_path):

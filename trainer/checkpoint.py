@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
 from trainer.errors import NumericalError
 
@@ -110,6 +111,12 @@ def load_checkpoint(engine: Any, run_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"--resume: {ckpt_dir / LATEST} names {tag}, which is missing")
     try:
         path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    except ZeRORuntimeException:
+        saved = getattr(engine, "loaded_checkpoint_dp_world_size", "other")
+        raise CheckpointError(
+            f"--resume: checkpoint {ckpt_dir / tag} holds ZeRO optimizer states split over {saved} rank(s), this run "
+            f"has {engine.dp_world_size}: resume on {saved} rank(s) (DeepSpeed cannot split them anew)"
+        ) from None
     except (RuntimeError, KeyError, ValueError, OSError, EOFError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"--resume: checkpoint {ckpt_dir / tag} does not fit this model: {first}") from None

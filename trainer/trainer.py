@@ -487,6 +487,7 @@ class Trainer:
             "global_batch": engine.train_batch_size(),
             "device": _device_name(self.device),
             "precision": precision_name(self.dtype),
+            "zero_stage": engine.zero_optimization_stage(),
             "storage": self.storage,
             "backend": self.backend,
             "parameters": self.num_parameters,
