@@ -115,9 +115,10 @@ def test_switches_warn_where_they_cannot_work(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_a_training_step_does_not_synchronize_the_gpu():
+def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
     """The engine's step (forward, backward, FusedAdam) in fp32 with nonfinite_loss: ignore queues its work
-    without waiting on the GPU. (fp16 and bf16 read an overflow flag on the host, by DeepSpeed's design.)"""
+    without waiting on the GPU. (fp16 and bf16 read an overflow flag on the host, by DeepSpeed's design.)
+    The sync debug mode does not see explicit torch.cuda.synchronize() calls: those fail the test too."""
     deepspeed = pytest.importorskip("deepspeed")
 
     from trainer.dist import DistEnv
@@ -134,11 +135,17 @@ def test_a_training_step_does_not_synchronize_the_gpu():
     for _ in range(2):  # warm-up: first calls set things up
         train_step(engine, x, y, 0.0)
     torch.cuda.synchronize()
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("torch.cuda.synchronize() inside the training step")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
     torch.cuda.set_sync_debug_mode("error")
     try:
         loss = train_step(engine, x, y, 0.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+        monkeypatch.undo()
     assert np.isfinite(loss.item())
 
 
@@ -174,10 +181,45 @@ print("same weights")
 """
 
 
+def _run_one_rank(script):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    command = [sys.executable, "-c", script]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_one_rank_skips_the_gradient_reduction_and_trains_the_same():
     """DeepSpeed all-reduces gradients even over one rank; skipping that identity leaves every weight bit-equal."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
-    result = subprocess.run(
-        [sys.executable, "-c", SINGLE_RANK_STEPS], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = _run_one_rank(SINGLE_RANK_STEPS)
     assert result.returncode == 0 and "same weights" in result.stdout, result.stderr[-2000:]
+
+
+COUNTED_SYNCS = """
+import torch, deepspeed
+from deepspeed.accelerator import get_accelerator
+from model import UNet
+from tests.conftest import REPO
+from trainer.dist import DistEnv
+from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
+from trainer.trainer import init_distributed, train_step
+
+device = init_distributed(DistEnv.from_environ(), 60.0)
+template = load_ds_template(REPO / "ds_configs" / "ds_fp32.json")
+config = resolve_ds_config(template, BatchPlan(2, 1, 1), 1e-3, device.type)
+net = UNet(4, 5, width=4, depth=2)
+engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+skip_single_rank_reduction(engine)
+accelerator, syncs = get_accelerator(), []
+accelerator.synchronize = lambda *args, **kwargs: syncs.append(1)
+x, y = torch.randn(2, 4, 8, 8, 8), torch.rand(2, 5, 8, 8, 8) - 0.5
+for _ in range(5):
+    train_step(engine, x.to(engine.device), y.to(engine.device), 0.1)
+print("device syncs in 5 steps:", len(syncs))
+"""
+
+
+def test_engine_steps_do_not_synchronize_the_device():
+    """DeepSpeed's throughput timer, on by default, synchronizes the device at every forward and optimizer
+    step (the host then cannot queue work ahead); ours is off. Counted through the accelerator, on any device."""
+    result = _run_one_rank(COUNTED_SYNCS)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "device syncs in 5 steps: 0" in result.stdout, result.stdout

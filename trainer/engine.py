@@ -97,6 +97,9 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
             params["torch_adam"] = True
     cfg.setdefault("gradient_clipping", 0.0)
     cfg.setdefault("steps_per_print", _QUIET_STEPS)
+    # DeepSpeed's throughput timer (on by default) synchronizes the device at every forward and step, so that
+    # the host can never queue work ahead; we measure throughput ourselves.
+    cfg.setdefault("timers", {"throughput": {"enabled": False}})
     if cfg.get("fp16", {}).get("enabled") and device_type != "cuda":
         log.warning(
             "fp16 with loss scaling needs a CUDA GPU; training in fp32 on %s instead (ds_configs/ds_bf16.json gives bf16)",
