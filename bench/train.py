@@ -115,9 +115,12 @@ class Case:
         cfg = trainer.cfg
         generator = torch.Generator(device=engine.device).manual_seed(cfg.seed + trainer.dist.rank)
         shape = (self.micro, cfg.data_size, cfg.data_size, cfg.data_size)
+        layout = torch.channels_last_3d if cfg.channels_last else torch.contiguous_format  # as the pipeline lays it out
         self.batch = (
-            torch.randn(shape[:1] + (cfg.N_in_channels,) + shape[1:], generator=generator, device=engine.device).to(trainer.dtype),
-            torch.randn(shape[:1] + (cfg.N_out_channels,) + shape[1:], generator=generator, device=engine.device).tanh(),
+            torch.randn(shape[:1] + (cfg.N_in_channels,) + shape[1:], generator=generator, device=engine.device)
+            .to(trainer.dtype).contiguous(memory_format=layout),
+            torch.randn(shape[:1] + (cfg.N_out_channels,) + shape[1:], generator=generator, device=engine.device)
+            .tanh().contiguous(memory_format=layout),
         )
         self._batches: Iterator | None = None
 
@@ -152,6 +155,8 @@ class Case:
             if marks.steps:
                 marks.mark("start")
             loss = forward_loss(engine, inp, tar, self.trainer.cfg.lambda_rho)
+            if self.trainer.check_each_step:  # the trainer's agreement on each step: one reduction, one host sync
+                self.trainer.agree_on_step(loss, inp, tar)
             if marks.steps:
                 marks.mark("forward")
             engine.backward(loss)

@@ -339,7 +339,7 @@ class Trainer:
         torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def _agree_on_step(self, loss: torch.Tensor, inp: torch.Tensor, tar: torch.Tensor) -> tuple[bool, bool, bool]:
+    def agree_on_step(self, loss: torch.Tensor, inp: torch.Tensor, tar: torch.Tensor) -> tuple[bool, bool, bool]:
         """(non-finite loss, non-finite batch, stop requested) on any rank: one reduction and one sync."""
         zero = torch.zeros((), device=loss.device)
         bad_batch = zero
@@ -522,7 +522,7 @@ class Trainer:
                 self.first_batch_digest = hashlib.sha256(inp.float().cpu().numpy().tobytes()).hexdigest()
             loss = forward_loss(engine, inp, tar, cfg.lambda_rho)
             if self.check_each_step:
-                nonfinite, bad_batch, stop_now = self._agree_on_step(loss, inp, tar)
+                nonfinite, bad_batch, stop_now = self.agree_on_step(loss, inp, tar)
                 stop = stop or stop_now
                 if bad_batch:
                     raise DataError(
