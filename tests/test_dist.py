@@ -1,6 +1,7 @@
 import pytest
 
 from trainer.dist import DistEnv, DistError, first_host, tasks_on_node
+from trainer.trainer import gpu_index
 
 LAUNCHED = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
 
@@ -83,3 +84,16 @@ def test_tasks_per_node():
     assert [tasks_on_node("4(x2),3", i) for i in range(3)] == [4, 4, 3]
     with pytest.raises(DistError, match="cannot read"):
         tasks_on_node("4x2", 0)
+
+
+@pytest.mark.parametrize(
+    "local_rank, local_world_size, visible, index",
+    [(0, 1, 1, 0), (3, 4, 1, 0), (3, 4, 4, 3), (1, 2, 8, 1)],  # one GPU per task (--gpus-per-task) is GPU 0
+)
+def test_each_rank_gets_its_own_gpu(local_rank, local_world_size, visible, index):
+    assert gpu_index(local_rank, local_world_size, visible) == index
+
+
+def test_more_ranks_than_gpus_on_a_node_is_an_error():
+    with pytest.raises(DistError, match="4 ranks on this node but 2 GPUs visible to each: run one rank per GPU"):
+        gpu_index(3, 4, 2)

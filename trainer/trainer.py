@@ -45,7 +45,7 @@ from pipeline.synthetic import ensure_box
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import Config, ConfigError, to_dict
-from trainer.dist import DistEnv
+from trainer.dist import DistEnv, DistError
 from trainer.engine import (
     load_ds_template,
     loss_scale,
@@ -105,6 +105,22 @@ class Device:
     """The GPU this rank uses, None on CPU."""
 
 
+def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int) -> int:
+    """The GPU of a rank: its local rank, or 0 where each task sees one GPU (Slurm's --gpus-per-task).
+
+    More ranks on a node than the GPUs they see would put two ranks on one GPU, which NCCL refuses
+    mid-run ("Duplicate GPU detected"): a clear error here instead.
+    """
+    if visible_gpus == 1:
+        return 0
+    if local_world_size > visible_gpus:
+        raise DistError(
+            f"{local_world_size} ranks on this node but {visible_gpus} GPUs visible to each: run one rank per GPU "
+            "(deepspeed --num_gpus, srun --ntasks-per-node, or --gpus-per-task 1)"
+        )
+    return local_rank
+
+
 def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     """Start torch.distributed (NCCL on GPUs, gloo on CPUs) and pick this rank's device.
 
@@ -115,8 +131,7 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     dist.export()
     index = None
     if device_type == "cuda":
-        # With one GPU visible per task (Slurm's --gpus-per-task), that GPU is 0 whatever the local rank.
-        index = dist.local_rank % torch.cuda.device_count()
+        index = gpu_index(dist.local_rank, dist.local_world_size, torch.cuda.device_count())
         torch.cuda.set_device(index)
         os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed takes its device from LOCAL_RANK
     deepspeed.init_distributed(
