@@ -1,6 +1,7 @@
 import pytest
 
-from trainer.trainer import validation_share
+from trainer.config import Config
+from trainer.trainer import unused_data_keys, validation_share
 
 
 @pytest.mark.parametrize(
@@ -18,3 +19,10 @@ def test_validation_share(num, batch, policy, world, expected):
     assert shares == expected
     if policy == "partial":
         assert sum(count for _, count in shares) == num
+
+
+def test_data_keys_that_the_storage_mode_does_not_use():
+    tuned = Config(num_data_workers=8, data_prefetch=4, device_storage_dtype="float16")
+    assert unused_data_keys(tuned, "device") == ["num_data_workers", "data_prefetch"]  # the GPU cuts the crops
+    assert unused_data_keys(tuned, "host") == ["device_storage_dtype"]
+    assert unused_data_keys(Config(), "device") == unused_data_keys(Config(), "lazy") == []  # defaults: no warning

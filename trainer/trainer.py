@@ -6,6 +6,7 @@ tests and the benchmarks call them instead of copying them.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -140,6 +141,14 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     return Device(device_type, index)
 
 
+def unused_data_keys(cfg: Config, storage: str) -> list[str]:
+    """Keys set away from their defaults that the effective ``storage`` mode does not use: the CPU threads and
+    their lookahead cut nothing when the GPU cuts the crops, and only volumes on the GPU have a dtype of their own."""
+    unused = ["num_data_workers", "data_prefetch"] if storage == "device" else ["device_storage_dtype"]
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    return [key for key in unused if getattr(cfg, key) != defaults[key]]
+
+
 def prepare_data(cfg: Config, dist: DistEnv) -> None:
     """Generate the synthetic boxes the config asks for, once per node, before anyone reads them."""
     if cfg.synthetic is not None and dist.local_rank == 0:
@@ -232,6 +241,8 @@ class Trainer:
                 log.warning("cpu_threads has no effect when training on a GPU")
         if cfg.science_box_size is not None and not cfg.science_every_epochs:
             log.warning("science_box_size has no effect without science_every_epochs")
+        for key in unused_data_keys(cfg, self.storage):
+            log.warning("%s has no effect with storage '%s'", key, self.storage)
         # Bad data, and data that cannot fit, are found before the engine is built, not after.
         self.train_volumes, self.val_volumes = (
             VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, cfg.data_size)
