@@ -5,6 +5,7 @@
 # Where DALI is not installed it checks the torch backend and says that DALI was skipped.
 #
 #   bash bench/gpu_check.sh [RESULTS.jsonl]   # PYTHON=... picks the interpreter; needs torch (CUDA), h5py, pytest
+#                                             # PIPELINE_DATA=... an HDF5 box to read (else a 256^3 one is written)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -20,5 +21,6 @@ if "$py" -c "import nvidia.dali" 2>/dev/null; then dali=(); else
 fi
 "$py" -m pytest -q -rs -p no:cacheprovider tests/test_device_paths.py tests/test_fast_paths.py -k "device or gpu or synchron"
 status=$?
-"$py" -m bench.pipeline --crops 64 --batch 64 --batches 20 --repeats 2 --out "$results" "${dali[@]}" || status=1
+data=(); [ -n "${PIPELINE_DATA:-}" ] && [ -f "$PIPELINE_DATA" ] && data=(--data "$PIPELINE_DATA")
+"$py" -m bench.pipeline --crops 64 --batch 64 --batches 20 --repeats 2 --out "$results" "${dali[@]}" "${data[@]}" || status=1
 exit $status
