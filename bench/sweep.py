@@ -14,6 +14,7 @@ and on (``--preset gpu-speed``) and ZeRO stages 0/1/2 under weak scaling (``--pr
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from deepspeed.runtime.config import DeepSpeedConfig
 
 from bench.env import REPO
 from bench.train import RESULTS, parse_args
@@ -96,31 +98,50 @@ FAST_PATHS = {
     "no step sync": ["--nonfinite_loss", "ignore"],
 }
 PLAIN_PATH = ["--channels_last", "false", "--cudnn_benchmark", "false", "--compile", "false", "--nonfinite_loss", "skip"]
+# Tried last, on fp16 only, and joined to "all fast paths" only once measured to help: compile with CUDA graphs.
+CUDA_GRAPHS = ["--compile", "true", "--compile_mode", "reduce-overhead"]
 
 
 def gpu_speed(max_ranks: int) -> tuple[list[str], list[Case]]:
     """One GPU, the reference model at 64^3, batch 64, fp16 and bf16: each fast path off and on."""
     base, _ = gpu(max_ranks)
-    cases = []
-    for precision in ("fp16", "bf16"):
+    every = [option for switch in FAST_PATHS.values() for option in switch]
+
+    def case(precision: str, what: str, switches: list[str]) -> Case:
         common = _batch(64, 1) + ["--deepspeed_config", PRECISION_JSON[precision], "--warmup", "10"] + PLAIN_PATH
-        # The two headline cases first: a run cut short (a GPU lent for minutes) still has them.
-        every = [option for switch in FAST_PATHS.values() for option in switch]
-        cases.append(Case("speed", f"{precision} plain path", 1, ["synthetic", "full"], common))
-        cases.append(Case("speed", f"{precision} all fast paths", 1, ["synthetic", "full"], common + every))
-        for name, switch in FAST_PATHS.items():
-            cases.append(Case("speed", f"{precision} + {name}", 1, ["synthetic", "full"], common + switch))
-    return base, cases
+        return Case("speed", f"{precision} {what}", 1, ["synthetic", "full"], common + switches)
+
+    headline = [case(p, what, switches) for p in ("fp16", "bf16")
+                for what, switches in (("plain path", []), ("all fast paths", every))]  # fmt: skip
+    single = [case(p, f"+ {name}", switch) for p in ("fp16", "bf16") for name, switch in FAST_PATHS.items()]
+    # The headline cases of both precisions first: a run cut short (a GPU lent for minutes) still has them.
+    return base, headline + single + [case("fp16", "+ compile, CUDA graphs", CUDA_GRAPHS)]
+
+
+# ZeRO 2's communication settings, compared at the most ranks (merged into ds_fp16_zero2.json).
+ZERO2_SETTINGS = {
+    "bucket 2e8": {"zero_optimization": {"reduce_bucket_size": 200_000_000, "allgather_bucket_size": 200_000_000}},
+    "bucket 5e8": {"zero_optimization": {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000}},
+    "no overlap": {"zero_optimization": {"overlap_comm": False}},
+}
 
 
 def gpu_comm(max_ranks: int) -> tuple[list[str], list[Case]]:
-    """Weak scaling with ZeRO stage 0 (all-reduce after backward), 1 and 2 (overlapped reduction)."""
+    """Weak scaling with ZeRO stage 0 (all-reduce after backward), 1 and 2 (overlapped reduction); then, at the
+    most ranks, ZeRO 2's bucket sizes and overlap against ds_fp16_zero2.json's own (5e7, overlapped)."""
     base, _ = gpu(max_ranks)
     ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
     configs = {0: "ds_configs/ds_fp16.json", 1: "ds_configs/ds_fp16_zero1.json", 2: "ds_configs/ds_fp16_zero2.json"}
-    return base, [Case(f"weak-zero{stage}", f"{n} rank(s), micro 64, ZeRO {stage}", n, ["synthetic"],
-                       _batch(64, n) + ["--deepspeed_config", json_path])
-                  for stage, json_path in configs.items() for n in ranks]  # fmt: skip
+    cases = [Case(f"weak-zero{stage}", f"{n} rank(s), micro 64, ZeRO {stage}", n, ["synthetic"],
+                  _batch(64, n) + ["--deepspeed_config", json_path])
+             for stage, json_path in configs.items() for n in ranks]  # fmt: skip
+    n = ranks[-1]
+    if n > 1:
+        zero2 = _batch(64, n) + ["--deepspeed_config", configs[2], "--deepspeed_overrides"]
+        cases += [Case("zero2-settings", f"{n} rank(s), micro 64, ZeRO 2, {name}", n, ["synthetic"],
+                       zero2 + [json.dumps(override)])
+                  for name, override in ZERO2_SETTINGS.items()]  # fmt: skip
+    return base, cases
 
 
 PRESETS = {"cpu-smoke": cpu_smoke, "gpu": gpu, "gpu-speed": gpu_speed, "gpu-comm": gpu_comm}
@@ -154,10 +175,14 @@ def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, de
         try:
             options, cfg = parse_args(train_options(base, case, args, "check"))
             plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, case.ranks)
-            template = load_ds_template(cfg.deepspeed_config)
+            template = load_ds_template(cfg.deepspeed_config, cfg.deepspeed_overrides)
             ds_config = resolve_ds_config(template, plan, cfg.lr_schedule.start_lr, device_type)
         except ConfigError as err:
             sys.exit(f"case {case.label!r}: {err}")
+        try:  # DeepSpeed's own checks (unknown keys, wrong types), with the batch as one rank sees it here
+            DeepSpeedConfig({**ds_config, "train_batch_size": plan.micro_batch * plan.accumulation})
+        except (ValueError, AssertionError) as err:
+            sys.exit(f"case {case.label!r}: DeepSpeed rejects its config: {' '.join(str(err).split())}")
         storage = cfg.storage if device_type == "cuda" else "host"  # only whether it is "device" matters here
         if crop_backend(cfg.backend, storage) == "dali" and not dali_installed():
             sys.exit(f"case {case.label!r}: backend dali, but NVIDIA DALI is not installed here: add --backend torch")
@@ -187,8 +212,8 @@ def main(argv: list[str] | None = None) -> None:
 
         if not get_accelerator().is_bf16_supported():
             cases = [c for c in cases if c.label != "bf16"]
-    scaling_sweeps = tuple(sorted({c.sweep for c in cases if c.sweep.startswith(("weak", "strong"))}))
-    cases = interleave_repeats(cases, scaling_sweeps, args.scaling_repeats)
+    compared = tuple(sorted({c.sweep for c in cases if c.sweep.startswith(("weak", "strong", "zero2-settings"))}))
+    cases = interleave_repeats(cases, compared, args.scaling_repeats)
     cases = [c for c in cases if not args.only or c.sweep in args.only]
     check_cases(base, cases, args, "cuda" if torch.cuda.is_available() else "cpu")
     run_id = time.strftime("%Y%m%dT%H%M%S")

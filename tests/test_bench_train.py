@@ -166,3 +166,27 @@ def test_every_case_of_a_preset_is_a_valid_run(preset, tmp_path, monkeypatch):
         assert (args.modes, args.case, args.out, cfg.backend) == (case.modes, case.label, sweep.out, "torch")
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, case.ranks)
         assert ds_config["train_batch_size"] == plan.global_batch
+    if preset == "gpu-comm":  # ZeRO 2's settings really differ from the JSON's own
+        checked = zip(cases, check_cases(base, cases, sweep, device))
+        settings = {c.label.split(", ")[-1]: ds["zero_optimization"]
+                    for c, (_, _, ds) in checked if c.sweep == "zero2-settings"}  # fmt: skip
+        assert settings["bucket 5e8"]["reduce_bucket_size"] == 500_000_000
+        assert settings["no overlap"]["overlap_comm"] is False
+        assert settings["bucket 5e8"]["stage"] == 2 and settings["no overlap"]["reduce_bucket_size"] == 50_000_000
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--deepspeed_overrides", "{zero_optimization: {reduce_bucket_sise: 5}}"], "DeepSpeed rejects .*_sise"),
+        (["--deepspeed_config", "ds_configs/missing.json"], "cannot read DeepSpeed config"),
+        (["--global_batch_size", "60"], "not divisible by the world size"),
+    ],
+)
+def test_a_bad_case_stops_the_sweep_before_it_starts(options, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    base, cases = PRESETS["gpu-comm"](8)
+    options = ["--backend", "torch", *options]
+    sweep = argparse.Namespace(steps=10, warmup=3, out=tmp_path / "train.jsonl", train_options=options)
+    with pytest.raises(SystemExit, match=message):
+        check_cases(base, cases, sweep, "cuda")

@@ -48,6 +48,14 @@ def test_overrides_reach_nested_keys_and_convert_types():
     assert cfg.micro_batch_size is None
 
 
+def test_deepspeed_overrides_from_the_command_line_keep_yaml_numbers_numbers():
+    overrides_yaml = "{zero_optimization: {stage: 2, reduce_bucket_size: 5e8}, x: [1e-3]}"
+    _, overrides = parse_args(["--deepspeed_overrides", overrides_yaml])
+    cfg = build_config({}, overrides)
+    assert cfg.deepspeed_overrides == {"zero_optimization": {"stage": 2, "reduce_bucket_size": 500000000}, "x": [1e-3]}
+    assert isinstance(cfg.deepspeed_overrides["x"][0], float)
+
+
 def test_command_line_beats_file_beats_defaults():
     args, overrides = parse_args(["--config", "short", "--num_epochs", "7", "--lr_schedule.warmup_steps", "5"])
     cfg = build_config(load_named(YAML, args.config), overrides)
@@ -79,6 +87,7 @@ def test_every_key_is_an_option():
         ({"data_size": 48}, "multiple of 2\\^unet_depth"),
         ({"Nsamples": 32}, "smaller than global_batch_size"),
         ({"global_batch_size": 0}, "global_batch_size must be positive"),
+        ({"deepspeed_overrides": [1]}, "deepspeed_overrides must be a mapping"),
     ],
 )
 def test_bad_values_are_named(data, message):

@@ -83,3 +83,20 @@ def test_unreadable_json(tmp_path):
     (tmp_path / "list.json").write_text(json.dumps([1]))
     with pytest.raises(ConfigError, match="must be a JSON object"):
         load_ds_template(tmp_path / "list.json")
+
+
+def test_overrides_merge_into_the_json_mapping_by_mapping(tmp_path):
+    path = tmp_path / "zero.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}, "fp16": {"enabled": True}}))
+    merged = load_ds_template(path, {"zero_optimization": {"reduce_bucket_size": 200000000}, "fp16": False})
+    assert merged["zero_optimization"] == {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 200000000}
+    assert merged["fp16"] is False
+    assert load_ds_template(path) == json.loads(path.read_text())  # the file itself is left alone
+
+
+def test_overrides_cannot_set_what_the_experiment_sets(tmp_path):
+    path = tmp_path / "plain.json"
+    path.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"eps": 1e-8}}}))
+    with pytest.raises(ConfigError, match="sets optimizer.params.lr"):
+        template = load_ds_template(path, {"optimizer": {"params": {"lr": 0.1}}})
+        resolve_ds_config(template, BatchPlan(16, 2, 2), 1e-3, "cpu")

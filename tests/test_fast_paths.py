@@ -109,9 +109,13 @@ def test_switches_warn_where_they_cannot_work(tmp_path):
     data = tmp_path / "data"
     result = run_train([*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"),
                         "--run_dir", str(tmp_path / "run"), "--num_epochs", "1", "--cudnn_benchmark", "true",
-                        "--science_box_size", "16"])  # fmt: skip
+                        "--science_box_size", "16", "--storage", "host", "--device_storage_dtype", "float16",
+                        "--compile_mode", "reduce-overhead"])  # fmt: skip
     assert result.returncode == 0 and "cudnn_benchmark has no effect without a GPU" in result.stderr
     assert "science_box_size has no effect without science_every_epochs" in result.stderr
+    assert "device_storage_dtype has no effect with storage 'host'" in result.stderr
+    assert "compile_mode has no effect without compile: true" in result.stderr
+    assert "num_data_workers" not in result.stderr  # the host storage's threads do cut the crops
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

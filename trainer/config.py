@@ -107,6 +107,9 @@ class Config:
     )
     lr_schedule: LRSchedule = _field(LRSchedule(), "learning-rate schedule")
     deepspeed_config: str = _field("ds_configs/ds_fp16.json", "DeepSpeed JSON: precision, optimizer, ZeRO")
+    deepspeed_overrides: dict = _field(
+        {}, "settings merged into that JSON, mapping by mapping: {zero_optimization: {reduce_bucket_size: 200000000}}"
+    )
     # Fast paths: switches on the same code, each pinned to the plain path by an equivalence test
     channels_last: bool = _field(
         False,
@@ -115,6 +118,9 @@ class Config:
     )
     cudnn_benchmark: Optional[bool] = _field(None, "let cuDNN time and pick convolution algorithms (null: on with a GPU)")
     compile: bool = _field(False, "compile the model with torch.compile through the engine (engine.compile())")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = _field(
+        "default", "torch.compile's mode with compile: true (reduce-overhead: CUDA graphs of the forward and backward)"
+    )
     seed: int = _field(0, "base seed: model init, and crops (each rank draws with seed + global rank)")
     # Logging and checkpoints
     log_every_steps: int = _field(20, "optimizer steps between log points")
@@ -199,6 +205,22 @@ def _unknown_key(key: str, known: list[str], where: str) -> ConfigError:
     return ConfigError(f"unknown key '{where}{key}'{hint}")
 
 
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _yaml_numbers(value: Any) -> Any:
+    """``value`` with the numbers that YAML 1.1 reads as strings (5e8, 1e-3: no dot) made numbers again;
+    whole ones as int (5e8 -> 500000000), as DeepSpeed's integer settings want."""
+    if isinstance(value, dict):
+        return {k: _yaml_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_yaml_numbers(v) for v in value]
+    if isinstance(value, str) and _NUMBER.fullmatch(value):
+        number = float(value)
+        return int(number) if number.is_integer() else number
+    return value
+
+
 def _convert(value: Any, hint: Any, key: str) -> Any:
     """``value`` as type ``hint``, or ConfigError naming ``key``."""
     origin = typing.get_origin(hint)
@@ -222,6 +244,10 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
         return from_dict(hint, value, prefix=f"{key}.")
+    if hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return _yaml_numbers(value)
     if hint is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
@@ -365,7 +391,7 @@ RESUMABLE = {
     "val_path_npy_label", "storage", "device_storage_dtype", "backend", "num_data_workers", "data_prefetch",
     "log_every_steps", "checkpoint_keep", "cpu_threads", "dist_timeout_s", "nonfinite_loss",
     "max_nonfinite_in_a_row", "data_checks", "science_every_epochs", "science_box_size", "channels_last",
-    "cudnn_benchmark", "compile",
+    "cudnn_benchmark", "compile", "compile_mode",
 }  # fmt: skip
 
 

@@ -48,7 +48,19 @@ def plan_batches(global_batch: int, micro_batch: int | None, world_size: int) ->
     return BatchPlan(micro, per_rank // micro, world_size)
 
 
-def load_ds_template(path: str | Path) -> dict[str, Any]:
+def merge_settings(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` merged in: mappings key by key, anything else replaced."""
+    merged = copy.deepcopy(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_settings(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_ds_template(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed JSON at ``path``, with the experiment's ``deepspeed_overrides`` merged in."""
     try:
         text = Path(path).read_text()
     except OSError as err:
@@ -59,7 +71,7 @@ def load_ds_template(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
     if not isinstance(template, dict):
         raise ConfigError(f"DeepSpeed config {path} must be a JSON object")
-    return template
+    return merge_settings(template, overrides or {})
 
 
 def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, device_type: str) -> dict[str, Any]:

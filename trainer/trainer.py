@@ -266,7 +266,7 @@ class Trainer:
         if sched.warmup_steps and not warmup_applies(sched.scaling, cfg.global_batch_size, cfg.base_batch_size):
             log.info("no lr warm-up: it applies only when the lr is scaled up (scaling != none, global > base batch)")
         self.ds_config = resolve_ds_config(
-            load_ds_template(cfg.deepspeed_config),
+            load_ds_template(cfg.deepspeed_config, cfg.deepspeed_overrides),
             plan,
             peak_lr(sched.start_lr, sched.scaling, cfg.global_batch_size, cfg.base_batch_size),
             device.type,
@@ -293,11 +293,14 @@ class Trainer:
             self.engine, _, _, self.schedule = deepspeed.initialize(
                 model=model, model_parameters=model.parameters(), config=self.ds_config, lr_scheduler=make_schedule
             )
-        except ValueError as err:  # DeepSpeed's own config checks
-            raise ConfigError(f"DeepSpeed rejected {cfg.deepspeed_config}: {err}") from None
+        except ValueError as err:  # DeepSpeed's own config checks (pydantic's span several lines)
+            what = cfg.deepspeed_config + (" with deepspeed_overrides" if cfg.deepspeed_overrides else "")
+            raise ConfigError(f"DeepSpeed rejected {what}: {' '.join(str(err).split())}") from None
         skip_single_rank_reduction(self.engine)
-        if cfg.compile:
-            self.engine.compile()  # torch.compile of the module, through the engine (compiled on the first step)
+        if cfg.compile:  # torch.compile of the module, through the engine (compiled on the first step)
+            self.engine.compile(compile_kwargs={} if cfg.compile_mode == "default" else {"mode": cfg.compile_mode})
+        elif cfg.compile_mode != "default":
+            log.warning("compile_mode has no effect without compile: true")
         self.dtype = train_dtype(self.engine)
 
         # Where training stands: epoch index, micro-batches of it done, and what the summary reports.
