@@ -102,7 +102,7 @@ PLAIN_PATH = ["--channels_last", "false", "--cudnn_benchmark", "false", "--compi
 # torch's fused Adam in place of DeepSpeed's FusedAdam (no JIT build; DeepSpeed's unfused fp16 wrapper around it).
 TRIED_LAST = {
     "+ compile, CUDA graphs": ["--compile", "true", "--compile_mode", "reduce-overhead"],
-    "torch fused Adam": ["--deepspeed_overrides", json.dumps({"optimizer": {"params": {"torch_adam": True, "fused": True}}})],
+    "torch fused Adam": ["--deepspeed_overrides", '{"optimizer": {"params": {"torch_adam": true, "fused": true}}}'],
 }
 
 
