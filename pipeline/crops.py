@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -29,6 +30,7 @@ class CropBatch:
     draws: list[SampleDraw]
     rotated: bool  # False: the rotation of each draw is still to be applied
     channels_last: bool = False
+    slot: int = 0  # which buffer of the ring holds it
 
     def contiguous(self) -> tuple[np.ndarray, np.ndarray, str]:
         """The buffers as they lie in memory, C-contiguous, and their per-sample layout (CDHW or DHWC)."""
@@ -37,12 +39,20 @@ class CropBatch:
         return self.inp, self.tar, "CDHW"
 
 
+class Guard(Protocol):
+    """Work still reading a buffer, asynchronously (a CUDA event after a copy from it)."""
+
+    def synchronize(self) -> None: ...
+
+
 class CropBatcher:
     """Cuts the batches of ``plan`` from ``volumes`` with ``threads`` threads, ``lookahead`` batches ahead.
 
     ``get(epoch, batch)`` returns that batch, waiting if it is not ready, and starts the following
     ones (across the epoch boundary too). Batches live in a ring of buffers; the consumer may hold up to
-    ``hold`` returned batches before their buffers are reused.
+    ``hold`` returned batches before their buffers are reused. A consumer that reads a buffer
+    asynchronously (a copy to the GPU from pinned buffers: ``allocate``) hands a ``guard`` for it, and
+    that buffer is cut into again only once the guard has synchronized.
     """
 
     def __init__(
@@ -55,12 +65,15 @@ class CropBatcher:
         lookahead: int = 2,
         hold: int = 1,
         channels_last: bool = False,
+        allocate: Callable[[tuple[int, ...]], np.ndarray] = lambda shape: np.empty(shape, np.float32),
     ) -> None:
         self.volumes, self.plan, self.augmenter = volumes, plan, augmenter
         self.rotate_here = rotate_here
         self.lookahead = lookahead
         self.channels_last = channels_last
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="crops")
+        self._allocate = allocate
+        self._guards: dict[int, Guard] = {}
         self._ring = [(self._buffer(augmenter.in_channels), self._buffer(augmenter.out_channels))
                       for _ in range(lookahead + hold + 1)]  # fmt: skip
         self._next_slot = 0
@@ -70,8 +83,8 @@ class CropBatcher:
         """(batch, C, S, S, S), laid out as (batch, S, S, S, C) in memory when channels_last."""
         batch, size = self.plan.batch_size, self.plan.crop_size
         if self.channels_last:
-            return np.empty((batch, size, size, size, channels), dtype=np.float32).transpose(0, 4, 1, 2, 3)
-        return np.empty((batch, channels, size, size, size), dtype=np.float32)
+            return self._allocate((batch, size, size, size, channels)).transpose(0, 4, 1, 2, 3)
+        return self._allocate((batch, channels, size, size, size))
 
     @property
     def buffer_bytes(self) -> int:
@@ -83,6 +96,9 @@ class CropBatcher:
     def _submit(self, key: tuple[int, int]) -> None:
         slot = self._next_slot
         self._next_slot = (slot + 1) % len(self._ring)
+        guard = self._guards.pop(slot, None)
+        if guard is not None:  # an asynchronous read of this buffer may still be under way
+            guard.synchronize()
         draws = self.plan.batch_draws(*key)
         inp, tar = self._ring[slot]
         futures = [self._pool.submit(self._cut, draw, inp[j], tar[j]) for j, draw in enumerate(draws)]
@@ -113,7 +129,11 @@ class CropBatcher:
             future.result()  # re-raises a worker's exception here
         inp, tar = self._ring[slot]
         n = len(draws)
-        return CropBatch(inp[:n], tar[:n], draws, rotated=self.rotate_here, channels_last=self.channels_last)
+        return CropBatch(inp[:n], tar[:n], draws, rotated=self.rotate_here, channels_last=self.channels_last, slot=slot)
+
+    def guard(self, batch: CropBatch, guard: Guard) -> None:
+        """``batch``'s buffer is read asynchronously until ``guard`` synchronizes: not to be cut into before."""
+        self._guards[batch.slot] = guard
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -139,7 +139,7 @@ def build_loader(
         plan=plan, augmenter=augmenter, dtype=dtype, rotate_on_device=on_gpu, first_epoch=first_epoch,
         first_batch=first_batch, channels_last=settings.channels_last,
     )  # fmt: skip
-    from pipeline.torch_backend import TorchLoader
+    from pipeline.torch_backend import TorchLoader, pinned_buffer
 
     backend = crop_backend(settings.backend, storage)
     if storage == "device":  # one gather per tensor cuts and rotates the batch on the GPU
@@ -150,8 +150,10 @@ def build_loader(
     # Cut straight into NDHWC buffers for channels-last batches, where the CPU does the rotation; where the
     # device rotates, it also moves the channels.
     channels_last = settings.channels_last and not on_gpu
+    # The torch backend uploads straight from the batcher's buffers, pinned on a GPU; DALI stages its own.
+    allocate = {"allocate": pinned_buffer} if on_gpu and backend == "torch" else {}
     batcher = CropBatcher(
-        source, plan, augmenter, not on_gpu, settings.threads, settings.lookahead, hold, channels_last
+        source, plan, augmenter, not on_gpu, settings.threads, settings.lookahead, hold, channels_last, **allocate
     )
     if backend == "dali":
         from pipeline.dali import DaliLoader  # imported here: machines without DALI use the torch backend

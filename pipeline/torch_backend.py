@@ -14,9 +14,15 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from pipeline.crops import CropBatcher
+from pipeline.crops import CropBatch, CropBatcher
 from pipeline.rotations import ROTATIONS, VectorGroups, channel_order, channel_signs
 from pipeline.sampling import Augmenter, DrawPlan, SampleDraw
+
+
+def pinned_buffer(shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 array in page-locked host memory (the batcher's buffers for a GPU): it copies to the GPU
+    asynchronously and without a staging copy. The array keeps its tensor, and so the memory, alive."""
+    return torch.empty(shape, dtype=torch.float32, pin_memory=True).numpy()
 
 
 class DeviceCutter:
@@ -125,6 +131,8 @@ class TorchLoader:
         self.batcher, self.resident = batcher, resident
         self.epoch, self.next_batch = first_epoch, first_batch
         self.channels_last = channels_last
+        # Batches from the CPU go up on a stream of their own, overlapping the training step on the GPU.
+        self.copy_stream = torch.cuda.Stream(device) if batcher is not None and device.type == "cuda" else None
 
     def __len__(self) -> int:
         return self.plan.num_batches
@@ -136,15 +144,32 @@ class TorchLoader:
         batch = self.batcher.get(self.epoch, index)
         # The batcher's buffer is reused later: copy it, to the device (or into a new CPU tensor, keeping its
         # memory format: channels-last when the batcher cut it so).
-        if self.device.type == "cuda":  # staged in pinned memory, the copy to the GPU needs no host sync
-            pinned = (torch.from_numpy(a).pin_memory() for a in (batch.inp, batch.tar))
-            inp, tar = (t.to(self.device, non_blocking=True) for t in pinned)
+        if self.copy_stream is not None:
+            inp, tar = self._upload(batch)
         else:
             inp, tar = torch.from_numpy(batch.inp).clone(), torch.from_numpy(batch.tar).clone()
         if self.cutter is None:
             return inp.to(self.dtype), tar
         args = self.cutter.arguments(batch.draws, cut_already=True)
         return self.cutter((inp, tar), args, (self.dtype, torch.float32), self.channels_last)
+
+    def _upload(self, batch: CropBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch on the GPU, copied from the batcher's pinned buffer on the copy stream, with no host sync.
+
+        The training stream waits for the copy on the GPU; the batcher cuts into that buffer again only
+        after the copy is done (the guard); the tensors made on the copy stream are marked as used by the
+        training stream, so that the allocator does not hand their memory to the next copy too early.
+        """
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.copy_stream):
+            inp, tar = (torch.from_numpy(a).to(self.device, non_blocking=True) for a in (batch.inp, batch.tar))
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        compute.wait_event(copied)
+        for tensor in (inp, tar):
+            tensor.record_stream(compute)
+        self.batcher.guard(batch, copied)
+        return inp, tar
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for index in range(self.next_batch, self.plan.num_batches):

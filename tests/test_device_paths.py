@@ -119,6 +119,26 @@ def test_gpu_batches_of_the_torch_backend_need_no_host_sync(tiny_data, storage):
     assert len(rest) == 2 and all(inp.is_contiguous(memory_format=torch.channels_last_3d) for inp, _ in rest)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("storage", ["lazy", "host"])
+def test_batches_held_on_the_gpu_keep_their_samples(volumes, tiny_data, storage):
+    """The batcher's pinned buffers go up asynchronously and come round again every 4 batches: with the copies
+    held back on the GPU (a sleep queued first on the copy stream), each buffer is cut into again only after
+    its copy, so 10 batches kept on the GPU without a host sync still hold their own samples."""
+    plan = DrawPlan(seed=0, num_samples=80, batch_size=8, box_size=32, crop_size=CROP, rotate=True)
+    opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP)
+    settings = LoaderSettings("torch", storage, "float32", threads=2, lookahead=2)
+    loader = build_loader(opened, plan, AUG, settings, storage, torch.device("cuda", 0), torch.float32)
+    with torch.cuda.stream(loader.copy_stream):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the first copy
+    held = list(loader)
+    for b, (inp, tar) in enumerate(held):
+        for j, draw in enumerate(plan.batch_draws(0, b)):
+            ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
+            assert np.array_equal(inp[j].cpu().numpy(), ref_inp), (b, j)
+            assert np.array_equal(tar[j].cpu().numpy(), ref_tar), (b, j)
+
+
 def test_dali_is_checked_where_installed():
     if not HAVE_DALI:
         pytest.skip("DALI is not installed here: only the torch backend's device paths were checked")

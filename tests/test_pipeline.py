@@ -122,6 +122,36 @@ def test_batcher_works_ahead_across_epochs_and_reports_errors(volumes):
         bad.get(0, 0)
 
 
+class CopyInFlight:
+    """Stands for the CUDA event after an asynchronous copy of a batch to the GPU: until it synchronizes,
+    the batch's buffer must keep what the copy reads."""
+
+    def __init__(self, batch):
+        self.batch, self.expected, self.done = batch, (batch.inp.copy(), batch.tar.copy()), False
+
+    def synchronize(self):
+        intact = np.array_equal(self.batch.inp, self.expected[0]) and np.array_equal(self.batch.tar, self.expected[1])
+        assert intact, "the batcher cut into a buffer before the copy from it was done"
+        self.done = True
+
+
+def test_guarded_buffers_are_cut_into_only_after_their_guard(volumes):
+    # lookahead 2 and hold 1 (the torch loader's): a ring of 4 buffers, each reused every 4 batches.
+    plan = _plan(num_samples=32, batch_size=8)
+    batcher = CropBatcher(volumes, plan, AUG, rotate_here=True, threads=2, lookahead=2, hold=1)
+    guards = []
+    for epoch in range(3):
+        for b in range(plan.num_batches):
+            batch = batcher.get(epoch, b)
+            assert batch.draws == plan.batch_draws(epoch, b)
+            guards.append(CopyInFlight(batch))
+            batcher.guard(batch, guards[-1])
+    ring = 2 + 1 + 1
+    # Every buffer that came round again waited for its guard first; the last ring's worth may still be held.
+    assert all(g.done for g in guards[: -ring]) and len(guards) == 12
+    batcher.close()
+
+
 def test_draws_are_deterministic_and_differ_by_rank_and_epoch():
     def draws(seed, epoch):
         return [train_draw(seed, epoch, i, 128, 32, True) for i in range(64)]
