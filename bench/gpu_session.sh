@@ -5,19 +5,31 @@
 # measured, so a part cut short keeps what it finished; render the README table afterwards with
 # `python -m bench.report --results OUT/train.jsonl`. The defaults fit one 600 s call.
 #
-#   bash bench/gpu_session.sh OUT [WHEELS]   # WHEELS: from bench/offline_wheels.sh, where DeepSpeed is missing
+#   bash bench/gpu_session.sh OUT [WHEELS]   # WHEELS: from bench/offline_wheels.sh, where DeepSpeed is missing;
+#                                            # DALI from the parts in WHEELS-dali (or DALI_PARTS) where they are
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: bench/gpu_session.sh OUT [WHEELS]}"
 py="${PYTHON:-python3}"
 mkdir -p "$out"
+site=/tmp/gpu-session-site
 if [ -n "${2:-}" ]; then
-  if ! "$py" -m pip install --quiet --no-index --no-deps --target /tmp/gpu-session-site "$2"/*.whl; then
+  if ! "$py" -m pip install --quiet --no-index --no-deps --target "$site" "$2"/*.whl; then
     echo "the wheels in $2 do not install here: build them for $("$py" -V) with bench/offline_wheels.sh DIR X.Y" >&2
     exit 2
   fi
-  export PYTHONPATH="/tmp/gpu-session-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# DALI's wheel in parts, carried one per call before this one (bench/offline_wheels.sh with WITH_DALI=1).
+parts="${DALI_PARTS:-${2:-wheels}-dali}"
+if [ -f "$parts/SHA256" ]; then
+  wheel=$(awk '{print $2}' "$parts/SHA256")
+  cat "$parts/$wheel".part* > "/tmp/$wheel"
+  if ! (cd /tmp && sha256sum --quiet -c -) < "$parts/SHA256" \
+      || ! "$py" -m pip install --quiet --no-index --no-deps --target "$site" "/tmp/$wheel"; then
+    echo "DALI's parts in $parts are incomplete or do not install ($(ls "$parts" | grep -c part) here): DALI skipped"
+  fi
+fi
+[ -d "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # DeepSpeed JIT-builds FusedAdam on the first case: for this GPU's architecture only, not for every one.
 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-$("$py" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')}"

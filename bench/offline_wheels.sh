@@ -2,7 +2,9 @@
 # Wheels for a GPU machine that has PyTorch (CUDA), h5py and the usual scientific packages but no internet
 # (many compute nodes): DeepSpeed, built here since PyPI has only its source (its CUDA ops, FusedAdam among them,
 # are JIT-built there on first use), and the packages it needs that such images often lack, at the versions
-# constraints.txt pins. NVIDIA DALI (about 500 MB) only with WITH_DALI=1; without it, train with --backend torch.
+# constraints.txt pins. NVIDIA DALI only with WITH_DALI=1 (without it, train with --backend torch): its small
+# dependencies go to DIR, and its 405 MB wheel, for a machine that takes at most 64 MiB per transfer, to DIR-dali
+# in parts of 60 MiB with a SHA256 file naming the whole; bench/gpu_session.sh joins, checks and installs it.
 #
 #   bash bench/offline_wheels.sh DIR [PYTHON_VERSION]   # PYTHON_VERSION: the GPU machine's, e.g. 3.12
 #   # there:
@@ -21,11 +23,28 @@ pin() {  # the version constraints.txt or requirements.txt pins for a package
 mkdir -p "$dir"
 $pip wheel --quiet --no-deps --wheel-dir "$dir" "$(pin deepspeed)"
 packages=("$(pin hjson)" "$(pin pydantic)" "$(pin pydantic_core)" "$(pin annotated-types)" "$(pin typing-inspection)")
-[ "${WITH_DALI:-0}" = 1 ] && packages+=("$(pin nvidia-dali-cuda120)")
+if [ "${WITH_DALI:-0}" = 1 ]; then  # DALI's own requirements that such images lack, not its image codecs
+  for p in astunparse gast optree nvtx makefun libcst; do packages+=("$(pin "$p")"); done
+fi
 platforms=()
 for p in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
   platforms+=(--platform "${p}_$(uname -m)")
 done
-$pip download --quiet --no-deps --only-binary=:all: --implementation cp --python-version "$pyver" \
-  "${platforms[@]}" --dest "$dir" "${packages[@]}"
+fetch() {
+  $pip download --quiet --no-deps --only-binary=:all: --implementation cp --python-version "$pyver" \
+    "${platforms[@]}" --dest "$1" "${@:2}"
+}
+fetch "$dir" "${packages[@]}"
 ls -1 "$dir"
+if [ "${WITH_DALI:-0}" = 1 ]; then
+  parts="$dir-dali"
+  rm -rf "$parts" && mkdir -p "$parts/whole"
+  fetch "$parts/whole" "$(pin nvidia-dali-cuda120)"
+  wheel=$(cd "$parts/whole" && ls -1 ./*.whl | head -1) && wheel=${wheel#./}
+  (cd "$parts/whole" && sha256sum "$wheel") > "$parts/SHA256"
+  split --bytes=60M --numeric-suffixes=0 --suffix-length=2 "$parts/whole/$wheel" "$parts/$wheel.part"
+  rm -r "$parts/whole"
+  echo "DALI in $(ls "$parts" | grep -c part) parts: carry $parts/SHA256 and one part per call, then $dir and"
+  echo "bench/gpu_session.sh, which joins them (DALI_PARTS=$parts):"
+  ls -1 "$parts"
+fi
