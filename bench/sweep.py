@@ -185,7 +185,7 @@ def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, de
             sys.exit(f"case {case.label!r}: {err}")
         try:  # DeepSpeed's own checks (unknown keys, wrong types), with the batch as one rank sees it here
             DeepSpeedConfig({**ds_config, "train_batch_size": plan.micro_batch * plan.accumulation})
-        except (ValueError, AssertionError) as err:
+        except (ValueError, TypeError, AssertionError) as err:
             sys.exit(f"case {case.label!r}: DeepSpeed rejects its config: {' '.join(str(err).split())}")
         storage = cfg.storage if device_type == "cuda" else "host"  # only whether it is "device" matters here
         if crop_backend(cfg.backend, storage) == "dali" and not dali_installed():

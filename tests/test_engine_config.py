@@ -62,6 +62,8 @@ def test_recipe_defaults_fill_a_minimal_json():
         ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps=1, but .* give 2"),
         ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' section"),
         ({"optimizer": {"type": "Adam", "params": {"lr": 0.1}}}, "sets optimizer.params.lr"),
+        ({"zero_optimisation": {"stage": 2}}, "is not DeepSpeed's \\(did you mean 'zero_optimization'"),
+        ({"fp16": False}, "section 'fp16' must be a mapping, got False"),
     ],
 )
 def test_conflicting_json_is_an_error(template, message):
@@ -100,3 +102,11 @@ def test_overrides_cannot_set_what_the_experiment_sets(tmp_path):
     with pytest.raises(ConfigError, match="sets optimizer.params.lr"):
         template = load_ds_template(path, {"optimizer": {"params": {"lr": 0.1}}})
         resolve_ds_config(template, BatchPlan(16, 2, 2), 1e-3, "cpu")
+
+
+def test_the_throughput_timer_stays_off_unless_the_json_turns_it_on():
+    # DeepSpeed's timer synchronizes the device twice a step: off, also where the JSON sets other timer settings.
+    partial = resolve_ds_config({"timers": {"throughput": {"synchronized": True}}}, BatchPlan(4, 1, 1), 1e-3, "cuda")
+    assert partial["timers"] == {"throughput": {"synchronized": True, "enabled": False}}
+    asked = resolve_ds_config({"timers": {"throughput": {"enabled": True}}}, BatchPlan(4, 1, 1), 1e-3, "cuda")
+    assert asked["timers"]["throughput"]["enabled"] is True

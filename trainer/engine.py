@@ -7,6 +7,7 @@ for them (``engine.train_micro_batch_size_per_gpu()``, ``engine.fp16_enabled()``
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import logging
 from dataclasses import dataclass
@@ -21,6 +22,30 @@ log = logging.getLogger(__name__)
 
 # DeepSpeed's step prints go to its own logger every steps_per_print steps; ours report instead.
 _QUIET_STEPS = 2**31 - 1
+
+# DeepSpeed's top-level sections that are not among its runtime constants (its config documentation), and the
+# sections this program reads as mappings. A key close to one of these but not one is a typo: DeepSpeed would
+# ignore it silently.
+_SECTIONS = {"zero_optimization", "timers", "flops_profiler", "activation_checkpointing", "tensorboard", "wandb",
+             "csv_monitor", "comms_logger", "compile", "data_efficiency", "curriculum_learning", "autotuning",
+             "elasticity", "aio", "nebula", "amp", "sparse_attention", "pipeline", "hybrid_engine", "eigenvalue",
+             "progressive_layer_drop", "compression_training", "weight_quantization", "quantize_training",
+             "sparse_gradients", "zero_allow_untested_optimizer", "checkpoint", "data_types"}  # fmt: skip
+_MAPPINGS = ("fp16", "bf16", "optimizer", "zero_optimization", "timers")
+
+
+def check_sections(cfg: dict[str, Any]) -> None:
+    """Refuse top-level keys that look like typos of DeepSpeed's, and sections that should be mappings."""
+    from deepspeed.runtime import constants
+
+    known = _SECTIONS | {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)}
+    for key in cfg:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8) if key not in known else []
+        if close:
+            raise ConfigError(f"DeepSpeed config key '{key}' is not DeepSpeed's (did you mean '{close[0]}'?)")
+    for key in _MAPPINGS:
+        if key in cfg and not isinstance(cfg[key], dict):
+            raise ConfigError(f"DeepSpeed config section '{key}' must be a mapping, got {cfg[key]!r}")
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,7 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
     no gradient clipping unless the JSON asks for it.
     """
     cfg = copy.deepcopy(template)
+    check_sections(cfg)
     batch = {
         "train_batch_size": plan.global_batch,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
@@ -111,7 +137,7 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
     cfg.setdefault("steps_per_print", _QUIET_STEPS)
     # DeepSpeed's throughput timer (on by default) synchronizes the device at every forward and step, so that
     # the host can never queue work ahead; we measure throughput ourselves.
-    cfg.setdefault("timers", {"throughput": {"enabled": False}})
+    cfg.setdefault("timers", {}).setdefault("throughput", {}).setdefault("enabled", False)
     if cfg.get("fp16", {}).get("enabled") and device_type != "cuda":
         log.warning(
             "fp16 with loss scaling needs a CUDA GPU; training in fp32 on %s instead (ds_configs/ds_bf16.json gives bf16)",

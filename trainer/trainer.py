@@ -293,7 +293,7 @@ class Trainer:
             self.engine, _, _, self.schedule = deepspeed.initialize(
                 model=model, model_parameters=model.parameters(), config=self.ds_config, lr_scheduler=make_schedule
             )
-        except ValueError as err:  # DeepSpeed's own config checks (pydantic's span several lines)
+        except (ValueError, TypeError, AssertionError) as err:  # DeepSpeed's own config checks (pydantic's span lines)
             what = cfg.deepspeed_config + (" with deepspeed_overrides" if cfg.deepspeed_overrides else "")
             raise ConfigError(f"DeepSpeed rejected {what}: {' '.join(str(err).split())}") from None
         skip_single_rank_reduction(self.engine)
