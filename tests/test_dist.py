@@ -87,13 +87,16 @@ def test_tasks_per_node():
 
 
 @pytest.mark.parametrize(
-    "local_rank, local_world_size, visible, index",
-    [(0, 1, 1, 0), (3, 4, 1, 0), (3, 4, 4, 3), (1, 2, 8, 1)],  # one GPU per task (--gpus-per-task) is GPU 0
-)
-def test_each_rank_gets_its_own_gpu(local_rank, local_world_size, visible, index):
-    assert gpu_index(local_rank, local_world_size, visible) == index
+    "local_rank, local_world_size, visible, env, index",
+    [(0, 1, 1, None, 0), (3, 4, 1, "2", 0), (3, 4, 4, None, 3), (1, 2, 8, "0,1,2,3,4,5,6,7", 1)],
+)  # one GPU per task (srun --gpus-per-task 1: CUDA_VISIBLE_DEVICES names one) is GPU 0
+def test_each_rank_gets_its_own_gpu(local_rank, local_world_size, visible, env, index):
+    assert gpu_index(local_rank, local_world_size, visible, env) == index
 
 
-def test_more_ranks_than_gpus_on_a_node_is_an_error():
-    with pytest.raises(DistError, match="4 ranks on this node but 2 GPUs visible to each: run one rank per GPU"):
-        gpu_index(3, 4, 2)
+@pytest.mark.parametrize("env", [None, "0,1"])  # deepspeed --num_gpus 2 on a node with one GPU: "0,1"
+def test_ranks_that_would_share_a_gpu_are_an_error(env):
+    with pytest.raises(DistError, match="4 ranks on this node but 2 GPU\\(s\\) visible to each: run one rank per GPU"):
+        gpu_index(3, 4, 2, env)
+    with pytest.raises(DistError, match="2 ranks on this node but 1 GPU\\(s\\) visible to each"):
+        gpu_index(1, 2, 1, env)

@@ -106,17 +106,19 @@ class Device:
     """The GPU this rank uses, None on CPU."""
 
 
-def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int) -> int:
-    """The GPU of a rank: its local rank, or 0 where each task sees one GPU (Slurm's --gpus-per-task).
+def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int, cuda_visible_devices: str | None) -> int:
+    """The GPU of a rank: its local rank, or 0 where each task sees a GPU of its own (Slurm's --gpus-per-task:
+    CUDA_VISIBLE_DEVICES names one).
 
-    More ranks on a node than the GPUs they see would put two ranks on one GPU, which NCCL refuses
-    mid-run ("Duplicate GPU detected"): a clear error here instead.
+    Two ranks on one GPU (more ranks on a node than the GPUs they see, or several ranks that all see one and
+    the same GPU) fail mid-run in NCCL ("Duplicate GPU detected"): a clear error here instead.
     """
-    if visible_gpus == 1:
+    own_gpu = cuda_visible_devices is not None and len(cuda_visible_devices.split(",")) == 1
+    if visible_gpus == 1 and (local_world_size == 1 or own_gpu):
         return 0
     if local_world_size > visible_gpus:
         raise DistError(
-            f"{local_world_size} ranks on this node but {visible_gpus} GPUs visible to each: run one rank per GPU "
+            f"{local_world_size} ranks on this node but {visible_gpus} GPU(s) visible to each: run one rank per GPU "
             "(deepspeed --num_gpus, srun --ntasks-per-node, or --gpus-per-task 1)"
         )
     return local_rank
@@ -132,7 +134,8 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     dist.export()
     index = None
     if device_type == "cuda":
-        index = gpu_index(dist.local_rank, dist.local_world_size, torch.cuda.device_count())
+        index = gpu_index(dist.local_rank, dist.local_world_size, torch.cuda.device_count(),
+                          os.environ.get("CUDA_VISIBLE_DEVICES"))  # fmt: skip
         torch.cuda.set_device(index)
         os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed takes its device from LOCAL_RANK
     deepspeed.init_distributed(
