@@ -4,7 +4,7 @@ import pytest
 
 from ds_train import parse_args
 from tests.conftest import REPO
-from trainer.config import Config, ConfigError, build_config, leaf_keys, load_named
+from trainer.config import Config, ConfigError, build_config, changes_on_resume, leaf_keys, load_named, to_dict
 
 YAML = REPO / "ds_configs" / "UNet.yaml"
 
@@ -128,3 +128,12 @@ def test_paths_take_variables_from_the_environment(monkeypatch):
     assert cfg.val_path_npy_label == "/scratch/me/pm/downsamp_1024crop_valid_label.npy"
     with pytest.raises(ConfigError, match="train_path refers to \\$\\{NOPE_DIR\\}, which is not set"):
         _load("base", train_path="${NOPE_DIR}/x.h5")
+
+
+def test_keys_newer_than_a_saved_run_count_as_their_defaults_on_resume():
+    saved = to_dict(Config())
+    del saved["deepspeed_overrides"], saved["compile_mode"]  # a run saved before these keys existed
+    assert changes_on_resume(saved, Config()) == ({}, {})
+    harmless, changing = changes_on_resume(saved, Config(compile_mode="reduce-overhead", deepspeed_overrides={"a": 1}))
+    assert harmless == {"compile_mode": ("default", "reduce-overhead")}
+    assert changing == {"deepspeed_overrides": ({}, {"a": 1})}

@@ -398,6 +398,7 @@ RESUMABLE = {
 def changes_on_resume(saved: dict[str, Any], cfg: Config) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(harmless, training-changing) differences between a run's saved config and the resumed one."""
     now = to_dict(cfg)
-    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    defaults = to_dict(Config())  # keys newer than the saved run: it ran with their defaults
+    changed = {k: (saved.get(k, defaults[k]), v) for k, v in now.items() if saved.get(k, defaults[k]) != v}
     harmless = {k: d for k, d in changed.items() if k in RESUMABLE}
     return harmless, {k: d for k, d in changed.items() if k not in RESUMABLE}
