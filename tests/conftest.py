@@ -50,9 +50,15 @@ def tiny_data(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
+def single_process_env() -> dict[str, str]:
+    """This environment without a launcher's or Slurm's variables: a child started with it is one process."""
+    launched = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(launched)}
+
+
 def run_train(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ds_train.py in a fresh process from the repository root, as a single process (no launcher)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     return subprocess.run(
-        [sys.executable, "ds_train.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+        [sys.executable, "ds_train.py", *args], cwd=REPO, env=single_process_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip

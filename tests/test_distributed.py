@@ -1,7 +1,6 @@
 """Several ranks for real: the deepspeed launcher on CPU, and slurm/train.sbatch on a local Slurm cluster."""
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -9,13 +8,9 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import REPO, TINY_ARGS, run_train
+from tests.conftest import REPO, TINY_ARGS, run_train, single_process_env
 
 DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
-
-
-def _env():
-    return {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "SLURM_"))}
 
 
 def _args(tmp_path, run_dir, *extra):
@@ -32,7 +27,7 @@ def test_two_ranks_through_a_launcher(tmp_path, launcher):
     run = tmp_path / "run"
     result = subprocess.run(
         [*launcher, "ds_train.py", *_args(tmp_path, run, "--num_epochs", "2")],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _summary(run)
@@ -51,7 +46,7 @@ def test_two_ranks_through_a_launcher(tmp_path, launcher):
 
 def _launch_two_ranks(args):
     command = [*DEEPSPEED, "--num_gpus", "2", "ds_train.py", *args]
-    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -88,7 +83,7 @@ def test_a_dead_rank_ends_the_job_promptly(tmp_path):
     run = tmp_path / "run"
     launcher = subprocess.Popen(
         [*DEEPSPEED, "--num_gpus", "2", "ds_train.py", *_args(tmp_path, run, "--num_epochs", "200")],
-        cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=REPO, env=single_process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         deadline = time.time() + 120
@@ -120,7 +115,7 @@ def slurm(tmp_path_factory):
     if started.returncode != 0:
         subprocess.run(["bash", str(script), "stop", str(state)], capture_output=True)
         pytest.skip(f"no local Slurm cluster: {started.stderr.strip() or started.stdout.strip()}")
-    env = {**_env(), "SLURM_CONF": str(state / "slurm.conf")}
+    env = {**single_process_env(), "SLURM_CONF": str(state / "slurm.conf")}
     yield env
     subprocess.run(["bash", str(script), "stop", str(state)], capture_output=True, timeout=60)
 

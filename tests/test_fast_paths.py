@@ -1,7 +1,6 @@
 """The fast paths are switches on the same code, each pinned to the plain path here."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ from pipeline.crops import CropBatcher
 from pipeline.loaders import LoaderSettings, build_loader, dali_installed, to_device
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.volumes import VolumeFiles, VolumePair
-from tests.conftest import REPO, TINY_ARGS, EveryRotation, run_train
+from tests.conftest import REPO, TINY_ARGS, EveryRotation, run_train, single_process_env
 
 CROP = 8
 AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
@@ -188,9 +187,8 @@ print("same weights")
 
 
 def _run_one_rank(script):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
     command = [sys.executable, "-c", script]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300)
 
 
 def test_one_rank_skips_the_gradient_reduction_and_trains_the_same():

@@ -11,10 +11,10 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, TINY_ARGS, run_train
+from tests.conftest import REPO, TINY_ARGS, run_train, single_process_env
 from trainer.hostfile import HostfileError, parse_hostfile
 
-TRAIN_ENV = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+TRAIN_ENV = single_process_env()
 
 
 @pytest.fixture(scope="module")
