@@ -119,7 +119,9 @@ class Config:
     cudnn_benchmark: Optional[bool] = _field(None, "let cuDNN time and pick convolution algorithms (null: on with a GPU)")
     compile: bool = _field(False, "compile the model with torch.compile through the engine (engine.compile())")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = _field(
-        "default", "torch.compile's mode with compile: true (reduce-overhead: CUDA graphs of the forward and backward)"
+        "default",
+        "torch.compile's mode with compile: true (reduce-overhead: CUDA graphs of the forward and backward; "
+        "max-autotune: searched kernels, and CUDA graphs too)",
     )
     seed: int = _field(0, "base seed: model init, and crops (each rank draws with seed + global rank)")
     # Logging and checkpoints
