@@ -112,7 +112,7 @@ def load_checkpoint(engine: Any, run_dir: Path) -> dict[str, Any]:
     try:
         path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     except ZeRORuntimeException:
-        saved = getattr(engine, "loaded_checkpoint_dp_world_size", "other")
+        saved = engine.loaded_checkpoint_dp_world_size
         raise CheckpointError(
             f"--resume: checkpoint {ckpt_dir / tag} holds ZeRO optimizer states split over {saved} rank(s), this run "
             f"has {engine.dp_world_size}: resume on {saved} rank(s) (DeepSpeed cannot split them anew)"
