@@ -3,6 +3,7 @@
     python -m bench.sweep --preset cpu-smoke          # this machine: 1 and 2 ranks, small model, a few minutes
     python -m bench.sweep --preset gpu --max_ranks 8  # a GPU node or allocation (see slurm/bench.sbatch)
     python -m bench.sweep --preset gpu-speed --backend torch   # options it does not know go to every case
+    # (a --deepspeed_overrides merges with a case's own, key by key)
 
 Every case is its own process (its own ranks), launched by DeepSpeed's launcher on one node or by
 srun inside a Slurm allocation (``--launcher srun``); every record carries the sweep's run id.
@@ -27,8 +28,8 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from bench.env import REPO
 from bench.train import RESULTS, parse_args
 from pipeline.loaders import crop_backend, dali_installed
-from trainer.config import ConfigError
-from trainer.engine import load_ds_template, plan_batches, resolve_ds_config
+from trainer.config import ConfigError, parse_value
+from trainer.engine import load_ds_template, merge_settings, plan_batches, resolve_ds_config
 
 PRECISION_JSON = {"fp32": "ds_configs/ds_fp32.json", "bf16": "ds_configs/ds_bf16.json", "fp16": "ds_configs/ds_fp16.json"}
 
@@ -160,12 +161,28 @@ def command(case: Case, launcher: str, ranks_per_node: int) -> list[str]:
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(case.ranks), "--module", "bench.train"]
 
 
+def merge_overrides(options: list[str]) -> list[str]:
+    """``options`` with their --deepspeed_overrides merged into one, the later ones winning key by key: a case's
+    own settings (a ZeRO bucket size) and the user's (the optimizer, say) both hold."""
+    rest, merged, found = [], {}, False
+    options = iter(options)
+    for option in options:
+        if option != "--deepspeed_overrides":
+            rest.append(option)
+            continue
+        value, found = parse_value(next(options, "")), True
+        if not isinstance(value, dict):
+            sys.exit(f"--deepspeed_overrides must be a mapping, got {value!r}")
+        merged = merge_settings(merged, value)
+    return rest + (["--deepspeed_overrides", json.dumps(merged)] if found else [])
+
+
 def train_options(base: list[str], case: Case, args: argparse.Namespace, run_id: str) -> list[str]:
     """The options of ``python -m bench.train`` for one case of a sweep."""
     # The case's own options override the sweep's (more warm-up to compile, say); the user's override both.
-    return [*base, "--modes", *case.modes, "--steps", str(args.steps), "--warmup", str(args.warmup), "--sweep",
-            case.sweep, "--case", case.label, "--run_id", run_id, "--repeat", str(case.repeat), "--out", str(args.out),
-            *case.options, *args.train_options]  # fmt: skip
+    return merge_overrides([*base, "--modes", *case.modes, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                            "--sweep", case.sweep, "--case", case.label, "--run_id", run_id, "--repeat",
+                            str(case.repeat), "--out", str(args.out), *case.options, *args.train_options])  # fmt: skip
 
 
 def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, device_type: str) -> list[tuple]:
@@ -202,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks_per_node", type=int, default=max(1, torch.cuda.device_count()))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--only", nargs="*", help="run only these sweeps (baseline, micro-batch, precision, weak, strong)")
+    parser.add_argument("--only", nargs="*", help="run only these sweeps (the records' sweep names: baseline, speed, "
+                        "weak, weak-zero2, zero2-settings...)")  # fmt: skip
     parser.add_argument("--scaling_repeats", type=int, default=3, help="runs of each scaling case; the median counts")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--no_report", action="store_true")

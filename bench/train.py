@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
                                "compile": cfg.compile, "compile_mode": cfg.compile_mode,
                                "nonfinite_loss": cfg.nonfinite_loss},
                 "zero_stage": engine.zero_optimization_stage(), "zero": trainer.ds_config.get("zero_optimization", {}),
+                "optimizer": "Adam" if mode == "plain" else type(engine.basic_optimizer).__name__,  # plain: torch's
                 "warmup_steps": args.warmup, "timed_steps": args.steps, **result, **flops,
                 **(utilization(result["samples_per_s"], flops, env["device"], precision, devices) if mode != "io" else {}),
                 **env,

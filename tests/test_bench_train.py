@@ -109,6 +109,7 @@ def test_a_benchmark_run_writes_complete_records(tmp_path):
         assert r["samples_per_s"] > 0 and r["step_ms_p50"] <= r["step_ms_p90"] <= r["step_ms_p99"]
         assert (r["world_size"], r["micro_batch"], r["global_batch"], r["timed_steps"], r["rounds"]) == (1, 8, 8, 3, 2)
         assert r["train_flops_per_sample"] == model_flops(4, 5, 4, 4, 16)["train_flops_per_sample"]
+        assert (r["optimizer"], r["zero_stage"]) == ("Adam", 0)  # torch's Adam on a CPU, under DeepSpeed
     for r in records[1:]:
         assert {"achieved_tflops", "mfu", "peak_source", "forward_ms_p50", "backward_ms_p50", "optimizer_ms_p50"} <= set(r)
         assert r["achieved_tflops"] == pytest.approx(r["samples_per_s"] * r["train_flops_per_sample"] / 1e12)
@@ -176,17 +177,32 @@ def test_every_case_of_a_preset_is_a_valid_run(preset, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "options, message",
+    "preset, options, message",
     [
-        (["--deepspeed_overrides", "{zero_optimization: {reduce_bucket_sise: 5}}"], "DeepSpeed rejects .*_sise"),
-        (["--deepspeed_config", "ds_configs/missing.json"], "cannot read DeepSpeed config"),
-        (["--global_batch_size", "60"], "not divisible by the world size"),
+        ("gpu", ["--deepspeed_overrides", "{zero_optimization: {reduce_bucket_sise: 5}}"], "DeepSpeed rejects .*_sise"),
+        ("gpu", ["--deepspeed_overrides", "{zero_optimisation: {stage: 2}}"], "did you mean 'zero_optimization'"),
+        ("gpu-comm", ["--deepspeed_config", "ds_configs/missing.json"], "cannot read DeepSpeed config"),
+        ("gpu-comm", ["--global_batch_size", "60"], "not divisible by the world size"),
+        ("gpu", ["--deepspeed_overrides", "[1]"], "--deepspeed_overrides must be a mapping, got \\[1\\]"),
     ],
 )
-def test_a_bad_case_stops_the_sweep_before_it_starts(options, message, tmp_path, monkeypatch):
+def test_a_bad_case_stops_the_sweep_before_it_starts(preset, options, message, tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    base, cases = PRESETS["gpu-comm"](8)
+    base, cases = PRESETS[preset](8)
     options = ["--backend", "torch", *options]
     sweep = argparse.Namespace(steps=10, warmup=3, out=tmp_path / "train.jsonl", train_options=options)
     with pytest.raises(SystemExit, match=message):
         check_cases(base, cases, sweep, "cuda")
+
+
+def test_the_users_deepspeed_overrides_merge_with_a_cases_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    base, cases = PRESETS["gpu-comm"](8)
+    options = ["--backend", "torch", "--deepspeed_overrides", "{optimizer: {params: {torch_adam: true}}}"]
+    sweep = argparse.Namespace(steps=10, warmup=3, out=tmp_path / "train.jsonl", train_options=options)
+    checked = dict(zip((c.label for c in cases), check_cases(base, cases, sweep, "cuda")))
+    _, cfg, ds_config = checked["8 rank(s), micro 64, ZeRO 2, bucket 5e8"]
+    assert cfg.deepspeed_overrides["zero_optimization"]["reduce_bucket_size"] == 500_000_000  # the case's own
+    assert ds_config["zero_optimization"]["reduce_bucket_size"] == 500_000_000
+    assert ds_config["optimizer"]["params"]["torch_adam"] is True  # and the user's, on every case
+    assert all(ds["optimizer"]["params"]["torch_adam"] is True for _, _, ds in checked.values())
