@@ -49,11 +49,12 @@ def test_overrides_reach_nested_keys_and_convert_types():
 
 
 def test_deepspeed_overrides_from_the_command_line_keep_yaml_numbers_numbers():
-    overrides_yaml = "{zero_optimization: {stage: 2, reduce_bucket_size: 5e8}, x: [1e-3]}"
-    _, overrides = parse_args(["--deepspeed_overrides", overrides_yaml])
+    # 5e8 and 1e-3 (no dot) are strings to YAML 1.1, numbers to YAML 1.2 and JSON, and to us; quoted, strings.
+    overrides_yaml = "{zero_optimization: {stage: 2, reduce_bucket_size: 5e8}, x: [1e-3, '5e8']}"
+    _, overrides = parse_args(["--deepspeed_overrides", overrides_yaml, "--lr_schedule.start_lr", "3e-4"])
     cfg = build_config({}, overrides)
-    assert cfg.deepspeed_overrides == {"zero_optimization": {"stage": 2, "reduce_bucket_size": 500000000}, "x": [1e-3]}
-    assert isinstance(cfg.deepspeed_overrides["x"][0], float)
+    assert cfg.deepspeed_overrides == {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}, "x": [1e-3, "5e8"]}
+    assert cfg.lr_schedule.start_lr == 3e-4
 
 
 def test_command_line_beats_file_beats_defaults():

@@ -207,20 +207,14 @@ def _unknown_key(key: str, known: list[str], where: str) -> ConfigError:
     return ConfigError(f"unknown key '{where}{key}'{hint}")
 
 
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+class _Loader(yaml.SafeLoader):
+    """YAML as PyYAML reads it, except that 5e8 and 1e-3 (exponent, no dot) are numbers, as in YAML 1.2 and
+    JSON, not strings; quoted, they stay strings."""
 
 
-def _yaml_numbers(value: Any) -> Any:
-    """``value`` with the numbers that YAML 1.1 reads as strings (5e8, 1e-3: no dot) made numbers again;
-    whole ones as int (5e8 -> 500000000), as DeepSpeed's integer settings want."""
-    if isinstance(value, dict):
-        return {k: _yaml_numbers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_yaml_numbers(v) for v in value]
-    if isinstance(value, str) and _NUMBER.fullmatch(value):
-        number = float(value)
-        return int(number) if number.is_integer() else number
-    return value
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"), list("-+0123456789.")
+)
 
 
 def _convert(value: Any, hint: Any, key: str) -> Any:
@@ -249,13 +243,8 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
     if hint is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return _yaml_numbers(value)
+        return value
     if hint is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
     elif hint is int:
@@ -319,7 +308,7 @@ def load_named(path: Path, name: str) -> dict[str, Any]:
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, _Loader)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(document, dict):
@@ -346,7 +335,7 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 def parse_value(raw: str) -> Any:
     """A command-line value as YAML would read it (3 -> int, 1e-3 -> float, null -> None, [1, 2] -> list)."""
     try:
-        return yaml.safe_load(raw)
+        return yaml.load(raw, _Loader)
     except yaml.YAMLError:
         return raw
 
