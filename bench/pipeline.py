@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for case, make in cases.items():
                 batches = make()
                 results[case].append(_time_batches(batches, args.warmup, args.batches, device, args.batch))
-                del batches
+                batches.close()  # its work ahead must not overlap the next case's timing
                 print(f"crop {crop}^3, {case}, repeat {repeat + 1}: {results[case][-1]['samples_per_s']:.1f} samples/s", flush=True)
         for case, runs in results.items():
             rates = [r["samples_per_s"] for r in runs]

@@ -163,6 +163,10 @@ class DaliLoader:
         # The epoch ends when the feed raises StopIteration; auto_reset starts the next one.
         self._iterator = DALIGenericIterator([pipe], ["inp", "tar"], auto_reset=True)
 
+    def close(self) -> None:
+        """Stop the batcher's threads and the work they had started ahead."""
+        self.batcher.close()
+
     def __len__(self) -> int:
         return self.num_batches
 

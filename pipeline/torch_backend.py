@@ -134,6 +134,11 @@ class TorchLoader:
         # Batches from the CPU go up on a stream of their own, overlapping the training step on the GPU.
         self.copy_stream = torch.cuda.Stream(device) if batcher is not None and device.type == "cuda" else None
 
+    def close(self) -> None:
+        """Stop the batcher's threads (where there is one) and the work they had started ahead."""
+        if self.batcher is not None:
+            self.batcher.close()
+
     def __len__(self) -> int:
         return self.plan.num_batches
 
