@@ -30,7 +30,8 @@ _SECTIONS = {"zero_optimization", "timers", "flops_profiler", "activation_checkp
              "csv_monitor", "comms_logger", "compile", "data_efficiency", "curriculum_learning", "autotuning",
              "elasticity", "aio", "nebula", "amp", "sparse_attention", "pipeline", "hybrid_engine", "eigenvalue",
              "progressive_layer_drop", "compression_training", "weight_quantization", "quantize_training",
-             "sparse_gradients", "zero_allow_untested_optimizer", "checkpoint", "data_types"}  # fmt: skip
+             "sparse_gradients", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "checkpoint",
+             "data_types", "sequence_parallel_size", "tensor_parallel", "expert_parallel", "dynamic_batching"}  # fmt: skip
 _MAPPINGS = ("fp16", "bf16", "optimizer", "zero_optimization", "timers")
 
 
