@@ -29,8 +29,8 @@ class CropBatch:
     tar: np.ndarray  # (n, C_out, S, S, S) float32
     draws: list[SampleDraw]
     rotated: bool  # False: the rotation of each draw is still to be applied
+    slot: int  # which buffer of the batcher's ring holds it
     channels_last: bool = False
-    slot: int = 0  # which buffer of the ring holds it
 
     def contiguous(self) -> tuple[np.ndarray, np.ndarray, str]:
         """The buffers as they lie in memory, C-contiguous, and their per-sample layout (CDHW or DHWC)."""
@@ -85,10 +85,6 @@ class CropBatcher:
         if self.channels_last:
             return self._allocate((batch, size, size, size, channels)).transpose(0, 4, 1, 2, 3)
         return self._allocate((batch, channels, size, size, size))
-
-    @property
-    def buffer_bytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self._ring)
 
     def _following(self, epoch: int, batch: int) -> tuple[int, int]:
         return (epoch, batch + 1) if batch + 1 < self.plan.num_batches else (epoch + 1, 0)
