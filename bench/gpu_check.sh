@@ -7,7 +7,7 @@
 #   bash bench/gpu_check.sh [RESULTS.jsonl]   # PYTHON=... picks the interpreter; needs torch (CUDA), h5py, pytest
 #                                             # PIPELINE_DATA=... an HDF5 box to read (else a 256^3 one is written)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 results="${1:-bench/results/pipeline.jsonl}"
 py="${PYTHON:-python3}"

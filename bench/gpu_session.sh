@@ -8,7 +8,7 @@
 #   bash bench/gpu_session.sh OUT [WHEELS]   # WHEELS: from bench/offline_wheels.sh, where DeepSpeed is missing;
 #                                            # DALI from the parts in WHEELS-dali (or DALI_PARTS) where they are
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 out="${1:?usage: bench/gpu_session.sh OUT [WHEELS]}"
 py="${PYTHON:-python3}"
 mkdir -p "$out"
@@ -26,7 +26,8 @@ if [ -f "$parts/SHA256" ]; then
   cat "$parts/$wheel".part* > "/tmp/$wheel"
   if ! (cd /tmp && sha256sum --quiet -c -) < "$parts/SHA256" \
       || ! "$py" -m pip install --quiet --no-index --no-deps --target "$site" "/tmp/$wheel"; then
-    echo "DALI's parts in $parts are incomplete or do not install ($(ls "$parts" | grep -c part) here): DALI skipped"
+    found=$(compgen -G "$parts/*.part*" | wc -l)
+    echo "DALI's parts in $parts are incomplete or do not install ($found here): DALI skipped"
   fi
 fi
 [ -d "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"

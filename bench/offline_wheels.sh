@@ -44,7 +44,7 @@ if [ "${WITH_DALI:-0}" = 1 ]; then
   (cd "$parts/whole" && sha256sum "$wheel") > "$parts/SHA256"
   split --bytes=60M --numeric-suffixes=0 --suffix-length=2 "$parts/whole/$wheel" "$parts/$wheel.part"
   rm -r "$parts/whole"
-  echo "DALI in $(ls "$parts" | grep -c part) parts: carry $parts/SHA256 and one part per call, then $dir and"
+  echo "DALI in $(compgen -G "$parts/*.part*" | wc -l) parts: carry $parts/SHA256 and one part per call, then $dir and"
   echo "bench/gpu_session.sh, which joins them (DALI_PARTS=$parts):"
   ls -1 "$parts"
 fi
