@@ -45,6 +45,11 @@ class Guard(Protocol):
     def synchronize(self) -> None: ...
 
 
+def ring_slots(lookahead: int, hold: int) -> int:
+    """Buffers in a batcher's ring: the batches cut ahead, those the consumer holds, and the one being read."""
+    return lookahead + hold + 1
+
+
 class CropBatcher:
     """Cuts the batches of ``plan`` from ``volumes`` with ``threads`` threads, ``lookahead`` batches ahead.
 
@@ -75,9 +80,14 @@ class CropBatcher:
         self._allocate = allocate
         self._guards: dict[int, Guard] = {}
         self._ring = [(self._buffer(augmenter.in_channels), self._buffer(augmenter.out_channels))
-                      for _ in range(lookahead + hold + 1)]  # fmt: skip
+                      for _ in range(ring_slots(lookahead, hold))]  # fmt: skip
         self._next_slot = 0
         self._pending: dict[tuple[int, int], tuple[int, list[SampleDraw], list[Future]]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory of the ring of buffers (allocated up front)."""
+        return sum(a.nbytes for pair in self._ring for a in pair)
 
     def _buffer(self, channels: int) -> np.ndarray:
         """(batch, C, S, S, S), laid out as (batch, S, S, S, C) in memory when channels_last."""

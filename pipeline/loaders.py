@@ -17,7 +17,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from pipeline.crops import CropBatcher
+from pipeline.crops import CropBatcher, ring_slots
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.volumes import DataError, VolumePair
 
@@ -65,6 +65,21 @@ def crop_backend(backend: Backend, storage: Storage) -> Backend:
     return "torch" if storage == "device" else backend
 
 
+def batches_held(backend: Backend) -> int:
+    """Batches a loader may still read after the batcher returned them: DALI may hold the one it is processing
+    and the one it prefetched; the torch loader copies at once."""
+    return 2 if backend == "dali" else 1
+
+
+def batch_buffer_bytes(storage: Storage, settings: LoaderSettings, batch: int, crop: int, channels: int) -> int:
+    """Host memory of one rank's batcher rings, for the training and the validation loader (``channels``: input
+    plus target): none where the volumes are cut on the device."""
+    if storage == "device":
+        return 0
+    slots = ring_slots(settings.lookahead, batches_held(crop_backend(settings.backend, storage)))
+    return 2 * slots * batch * channels * crop**3 * 4
+
+
 def _available_host_bytes() -> int | None:
     try:
         with open("/proc/meminfo") as f:
@@ -76,22 +91,32 @@ def _available_host_bytes() -> int | None:
     return None
 
 
-def check_memory(storage: Storage, volumes: list[VolumePair], settings: LoaderSettings, local_ranks: int) -> None:
-    """Log what the storage mode needs, and refuse before loading anything when it cannot fit."""
+def check_memory(
+    storage: Storage, volumes: list[VolumePair], settings: LoaderSettings, local_ranks: int, buffer_bytes: int
+) -> None:
+    """Log what the storage mode needs, and refuse before loading anything when it cannot fit.
+
+    Host memory per rank: the volumes under ``host``, and the batchers' rings (``buffer_bytes``, from
+    ``batch_buffer_bytes``) under ``host`` and ``lazy``; times the ranks on this node.
+    """
     volume_bytes = sum(v.nbytes for v in volumes)
-    if storage == "lazy":
-        log.info("storage 'lazy': volumes stay on disk (%s), crops read on demand", _size(volume_bytes))
-        return
-    if storage == "host":
-        need, available = volume_bytes * local_ranks, _available_host_bytes()
+    if storage in ("lazy", "host"):
+        resident = volume_bytes if storage == "host" else 0
+        need, available = (resident + buffer_bytes) * local_ranks, _available_host_bytes()
+        size = _size(volume_bytes)
+        volumes_note = f"{size} of volumes and" if resident else f"volumes on disk ({size}),"
         log.info(
-            "storage 'host': %s of volumes per rank, %s for %d rank(s) on this node (%s available)",
-            _size(volume_bytes), _size(need), local_ranks, "?" if available is None else _size(available),
+            "storage '%s': %s %s of batch buffers per rank, %s for %d rank(s) on this node (%s available)",
+            storage, volumes_note, _size(buffer_bytes), _size(need), local_ranks,
+            "?" if available is None else _size(available),
         )  # fmt: skip
         if available is not None and need > available:
+            instead = "use storage 'lazy' (or 'device' on a GPU), or " if storage == "host" else ""
+            each = f"{_size(resident)} of volumes and " if resident else ""
             raise DataError(
-                f"storage 'host' needs {_size(need)} of host memory on this node but {_size(available)} "
-                "is available: use storage 'lazy' (or 'device' on a GPU)"
+                f"storage '{storage}' needs {_size(need)} of host memory on this node ({local_ranks} rank(s), each "
+                f"{each}{_size(buffer_bytes)} of batch buffers) but {_size(available)} is available: "
+                f"{instead}lower data_prefetch or the micro-batch"
             )
         return
     per_element = 2 if settings.device_storage_dtype == "float16" else 4
@@ -145,8 +170,7 @@ def build_loader(
     if storage == "device":  # one gather per tensor cuts and rotates the batch on the GPU
         return TorchLoader(device=device, resident=to_device(volumes, device, settings.device_storage_dtype), **common)
     source = volumes.load() if storage == "host" else volumes
-    # DALI may hold the batch it is processing and the one it prefetched; the torch loader copies at once.
-    hold = 2 if backend == "dali" else 1
+    hold = batches_held(backend)
     # Cut straight into NDHWC buffers for channels-last batches, where the CPU does the rotation; where the
     # device rotates, it also moves the channels.
     channels_last = settings.channels_last and not on_gpu

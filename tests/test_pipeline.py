@@ -226,7 +226,27 @@ def test_host_memory_that_cannot_fit_is_refused_before_loading(volumes, monkeypa
     import pipeline.loaders as loaders
 
     settings = LoaderSettings("dali", "host", "float32", 1, 1)
-    monkeypatch.setattr(loaders, "_available_host_bytes", lambda: volumes.nbytes * 3)
-    loaders.check_memory("host", [volumes], settings, local_ranks=2)  # fits: 2 copies
+    buffers = 1000
+    monkeypatch.setattr(loaders, "_available_host_bytes", lambda: (volumes.nbytes + buffers) * 3)
+    loaders.check_memory("host", [volumes], settings, local_ranks=3, buffer_bytes=buffers)  # fits: 3 ranks
     with pytest.raises(DataError, match="storage 'host' needs .* of host memory on this node"):
-        loaders.check_memory("host", [volumes], settings, local_ranks=4)
+        loaders.check_memory("host", [volumes], settings, local_ranks=3, buffer_bytes=buffers + 1)
+    lazy = LoaderSettings("dali", "lazy", "float32", 1, 1)
+    loaders.check_memory("lazy", [volumes], lazy, local_ranks=3, buffer_bytes=volumes.nbytes + buffers)
+    with pytest.raises(DataError, match=r"storage 'lazy' needs .* batch buffers\) .*: lower data_prefetch"):
+        loaders.check_memory("lazy", [volumes], lazy, local_ranks=4, buffer_bytes=volumes.nbytes + buffers)
+
+
+@pytest.mark.parametrize("backend", ["dali", "torch"])
+@pytest.mark.parametrize("storage", ["host", "lazy"])
+def test_the_memory_check_counts_the_batch_buffers_the_loaders_allocate(volumes, backend, storage):
+    from pipeline.loaders import batch_buffer_bytes
+
+    settings = LoaderSettings(backend, storage, "float32", 1, 3)
+    loaders = [build_loader(volumes, _plan(), AUG, settings, storage, CPU, torch.float32) for _ in ("train", "val")]
+    try:
+        expected = batch_buffer_bytes(storage, settings, batch=8, crop=CROP, channels=9)
+        assert sum(loader.batcher.nbytes for loader in loaders) == expected > 0
+    finally:
+        for loader in loaders:
+            loader.close()

@@ -35,6 +35,7 @@ from model.metrics import Normalization, compare
 from model.tiling import predict_box
 from pipeline.loaders import (
     LoaderSettings,
+    batch_buffer_bytes,
     build_loader,
     check_memory,
     crop_backend,
@@ -260,9 +261,13 @@ class Trainer:
         self.loader_settings = LoaderSettings(
             cfg.backend, cfg.storage, cfg.device_storage_dtype, cfg.num_data_workers, cfg.data_prefetch, cfg.channels_last
         )
-        check_memory(self.storage, [self.train_volumes, self.val_volumes], self.loader_settings, dist.local_world_size)
-
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size)
+        buffers = batch_buffer_bytes(
+            self.storage, self.loader_settings, plan.micro_batch, cfg.data_size, cfg.N_in_channels + cfg.N_out_channels
+        )
+        volumes = [self.train_volumes, self.val_volumes]
+        check_memory(self.storage, volumes, self.loader_settings, dist.local_world_size, buffers)
+
         self.steps_per_epoch = cfg.Nsamples // cfg.global_batch_size
         total_steps = cfg.num_epochs * self.steps_per_epoch
         sched = cfg.lr_schedule
