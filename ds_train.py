@@ -43,6 +43,8 @@ log = logging.getLogger("ds_train")
 USER_ERRORS = (ConfigError, DataError, DistError, CheckpointError)
 DIVERGED_EXIT = 3
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "train.log", "tensorboard", CHECKPOINT_DIR)
+# --overwrite moves the earlier run here, and deletes it only once the new run has passed its checks.
+SET_ASIDE = ".overwritten"
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
@@ -88,23 +90,56 @@ def resolve_run_dir(args: argparse.Namespace, name: str, dist: DistEnv) -> Path:
         stamp: list[Any] = [time.strftime("%Y%m%d-%H%M%S")]
         torch_dist.broadcast_object_list(stamp, src=0)  # ranks start at slightly different times
         run_dir = Path("runs") / f"{name}-{stamp[0]}"
-    earlier = [name for name in RUN_FILES if (run_dir / name).exists()]
+    earlier = [name for name in (*RUN_FILES, SET_ASIDE) if (run_dir / name).exists()]
     if earlier and not args.resume:
         if not args.overwrite:
             raise ConfigError(
                 f"{run_dir} holds an earlier run ({', '.join(earlier)}): --resume continues it, "
                 "--overwrite deletes it, or choose another --run_dir"
             )
-        torch_dist.barrier()  # every rank has looked before rank 0 deletes
+        torch_dist.barrier()  # every rank has looked before rank 0 moves anything
         if dist.is_main:
-            log.warning("--overwrite: deleting the earlier run in %s", run_dir)
-            for name in earlier:
-                path = run_dir / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            set_aside_earlier_run(run_dir, earlier)
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     torch_dist.barrier()
     return run_dir
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def set_aside_earlier_run(run_dir: Path, names: list[str]) -> None:
+    """--overwrite, first half: the earlier run's files move into ``run_dir/SET_ASIDE`` (renames, nothing copied),
+    to be deleted once the new run has passed its checks, or put back if it fails them. A set-aside left by an
+    overwrite that never finished keeps the run it holds, the oldest."""
+    aside = run_dir / SET_ASIDE
+    aside.mkdir(exist_ok=True)
+    for name in names:
+        if name == SET_ASIDE:
+            continue
+        if (aside / name).exists():
+            _remove(run_dir / name)
+        else:
+            (run_dir / name).rename(aside / name)
+
+
+def settle_earlier_run(run_dir: Path, new_run_started: bool) -> None:
+    """--overwrite, second half: delete the earlier run set aside, or put it back where the new run failed."""
+    aside = run_dir / SET_ASIDE
+    if not aside.exists():
+        return
+    if new_run_started:
+        log.warning("--overwrite: deleted the earlier run in %s", run_dir)
+        shutil.rmtree(aside)
+        return
+    for entry in aside.iterdir():
+        if (run_dir / entry.name).exists():
+            _remove(run_dir / entry.name)
+        entry.rename(run_dir / entry.name)
+    aside.rmdir()
+    log.warning("--overwrite: the new run did not start; the earlier run in %s is back as it was", run_dir)
 
 
 def configure_logging(rank: int) -> None:
@@ -124,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--resume continues a run and --overwrite deletes it: pass one of them")
         return 2
     stop = StopRequest()  # SIGTERM / SIGUSR1: checkpoint at the next step boundary, then exit 75
+    run_dir, dist, checks_passed = None, None, False
     try:
         dist = DistEnv.from_environ()
         configure_logging(dist.rank)
@@ -142,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             log.info("run directory %s", run_dir)
         prepare_data(cfg, dist)
         trainer = Trainer(cfg, name, dist, device, run_dir, args.resume, args.stop_after_epoch, stop)
+        torch_dist.barrier()  # every rank has passed its checks
+        checks_passed = True
         if dist.is_main:
+            settle_earlier_run(run_dir, new_run_started=True)
             write_resolved_config(run_dir, name, cfg, trainer.ds_config, dist)
         summary = trainer.train()
     except USER_ERRORS as err:
@@ -151,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     except NumericalError as err:
         log.error("%s", err)
         return DIVERGED_EXIT
+    finally:
+        if run_dir is not None and dist.is_main and not checks_passed:
+            settle_earlier_run(run_dir, new_run_started=False)
     return PREEMPTED_EXIT if summary["preempted"] else 0
 
 

@@ -131,16 +131,31 @@ def test_resume_refuses_changes_to_the_training_but_reports_harmless_ones(finish
     assert "resuming with changed settings: log_every_steps 4 -> 8" in result.stderr
 
 
-def test_overwrite_is_explicit(finished, data, tmp_path):
+def _tree(run):
+    return {p.relative_to(run): (p.stat().st_size, p.stat().st_mtime_ns) for p in run.rglob("*") if p.is_file()}
+
+
+def test_overwrite_is_explicit_and_deletes_only_once_the_new_run_has_passed_its_checks(finished, data, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(finished, copy)
     assert "--resume continues a run and --overwrite deletes it" in _one_error_line(
         run_train(["--run_dir", str(copy), "--resume", "--overwrite"])
     )
+    before = _tree(copy)
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(data["train"].read_bytes()[:200_000])
+    bad = run_train(_args(data, copy, "--num_epochs", "1", "--overwrite", train=truncated))
+    assert "truncated.h5: not a readable HDF5 file" in _one_error_line(bad)
+    assert "the earlier run in" in bad.stderr and _tree(copy) == before  # put back as it was, its log included
     result = run_train(_args(data, copy, "--num_epochs", "1", "--overwrite"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((copy / "summary.json").read_text())["epochs"] == 1
     assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["latest", "step00000016"]
+    assert not (copy / ".overwritten").exists()
+    # An overwrite killed before it settled leaves the earlier run set aside: a new run without --overwrite sees it.
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(finished, interrupted / ".overwritten")
+    assert "holds an earlier run (.overwritten)" in _one_error_line(run_train(_args(data, interrupted)))
 
 
 # --- checkpoints are never lost --------------------------------------------------------------------------
