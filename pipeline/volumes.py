@@ -44,9 +44,15 @@ class VolumeFiles:
         return cls("npy", Path(inputs), Path(targets), layout)
 
 
-def _open_hdf5(path: Path, name: str) -> h5py.Dataset:
+def _require_file(path: Path) -> None:
+    if path.is_dir():
+        raise DataError(f"{path}: a directory, not a data file")
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
+
+
+def _open_hdf5(path: Path, name: str) -> h5py.Dataset:
+    _require_file(path)
     try:
         f = h5py.File(path, "r")
     except OSError as err:
@@ -57,8 +63,7 @@ def _open_hdf5(path: Path, name: str) -> h5py.Dataset:
 
 
 def _open_npy(path: Path, layout: NpyLayout) -> np.ndarray:
-    if not path.is_file():
-        raise DataError(f"{path}: no such data file")
+    _require_file(path)
     try:
         array = np.load(path, mmap_mode="r")
     except (ValueError, OSError, EOFError) as err:

@@ -205,6 +205,8 @@ def test_bad_npy_files_are_named(tmp_path, volumes):
 def test_missing_corrupt_and_too_small(tmp_path, tiny_data):
     with pytest.raises(DataError, match="no such data file"):
         VolumePair.open(VolumeFiles.hdf5(tmp_path / "nope.h5"), 4, 5, CROP)
+    with pytest.raises(DataError, match="a directory, not a data file"):
+        VolumePair.open(VolumeFiles.hdf5(tmp_path), 4, 5, CROP)
     (tmp_path / "junk.h5").write_bytes(b"not hdf5 at all")
     with pytest.raises(DataError, match="not a readable HDF5 file"):
         VolumePair.open(VolumeFiles.hdf5(tmp_path / "junk.h5"), 4, 5, CROP)
