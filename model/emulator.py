@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,27 @@ class Emulator:
         return self
 
 
+class EmulatorError(ValueError):
+    """A run directory, checkpoint or weights file that cannot give an emulator: one line saying why."""
+
+
+def _load(path: Path) -> Any:
+    if not path.is_file():
+        raise EmulatorError(f"{path}: no such file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # arbitrary bytes fail in the unpickler or the zip reader in many ways (KeyError...)
+        reason = " ".join(str(err).split()).split(". ")[0][:160]
+        raise EmulatorError(f"{path}: not a readable torch file ({type(err).__name__}: {reason})") from None
+
+
 def _build(spec: EmulatorSpec, state: dict[str, torch.Tensor], source: str) -> Emulator:
     model = UNet(spec.in_channels, spec.out_channels, spec.width, spec.depth)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    try:
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+    except RuntimeError as err:
+        first = str(err).splitlines()[0]
+        raise EmulatorError(f"{source}: the weights do not fit the network its settings describe ({first})") from None
     model.eval()
     return Emulator(spec, model, source)
 
@@ -61,7 +80,7 @@ def latest_run(runs: Path = Path("runs")) -> Path:
     """The most recently modified run directory that holds a checkpoint."""
     candidates = [p for p in runs.glob("*") if (p / "checkpoints" / "latest").is_file()]
     if not candidates:
-        raise FileNotFoundError(f"no run with a checkpoint under {runs}/: train first, or pass --run_dir or --weights")
+        raise EmulatorError(f"no run with a checkpoint under {runs}/: train first, or pass --run_dir or --weights")
     return max(candidates, key=lambda p: (p / "checkpoints" / "latest").stat().st_mtime)
 
 
@@ -71,33 +90,53 @@ def from_run_dir(run_dir: Path, tag: str | None = None) -> Emulator:
     Under fp16 DeepSpeed keeps the module's weights in fp16 (the fp32 master copy is optimizer
     state): they are read as saved and widened to fp32.
     """
+    if not (run_dir / "config.json").is_file():
+        raise EmulatorError(f"{run_dir}: not a run directory (no config.json)")
     config = json.loads((run_dir / "config.json").read_text())
-    tag = tag or (run_dir / "checkpoints" / "latest").read_text().strip()
-    path = run_dir / "checkpoints" / tag / "mp_rank_00_model_states.pt"
-    state = torch.load(path, map_location="cpu", weights_only=True)["module"]
-    return _build(EmulatorSpec.from_config(config["config"]), state, f"{run_dir} checkpoint {tag}")
+    checkpoints = run_dir / "checkpoints"
+    if tag is None:
+        if not (checkpoints / "latest").is_file():
+            raise EmulatorError(f"{run_dir}: no checkpoint yet")
+        tag = (checkpoints / "latest").read_text().strip()
+    elif not (checkpoints / tag).is_dir():
+        found = sorted(p.name for p in checkpoints.glob("step*")) if checkpoints.is_dir() else []
+        raise EmulatorError(f"{run_dir}: no checkpoint {tag!r} (found: {', '.join(found) or 'none'})")
+    saved = _load(checkpoints / tag / "mp_rank_00_model_states.pt")
+    return _build(EmulatorSpec.from_config(config["config"]), saved["module"], f"{run_dir} checkpoint {tag}")
 
 
 def export(emulator: Emulator, out: Path) -> None:
-    """One file: float32 weights and the spec, readable with torch.load(weights_only=True)."""
+    """One file: float32 weights and the spec, readable with torch.load(weights_only=True). Written next to
+    ``out`` and renamed into place, so that an interrupted export leaves no half file."""
     state = {k: v.detach().float().cpu() for k, v in emulator.model.state_dict().items()}
-    torch.save({"format": "cosmo-emulator/1", "spec": asdict(emulator.spec), "state_dict": state, "source": emulator.source}, out)
+    partial = out.with_name(f".{out.name}.partial")
+    saved = {"format": "cosmo-emulator/1", "spec": asdict(emulator.spec), "state_dict": state, "source": emulator.source}
+    torch.save(saved, partial)
+    partial.replace(out)
 
 
 def from_weights(path: Path) -> Emulator:
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved = _load(path)
     if not isinstance(saved, dict) or saved.get("format") != "cosmo-emulator/1":
-        raise ValueError(f"{path}: not an exported emulator (python -m model.export writes them)")
+        raise EmulatorError(f"{path}: not an exported emulator (python -m model.export writes them)")
     return _build(EmulatorSpec(**saved["spec"]), saved["state_dict"], str(path))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Export a run's checkpoint as one weights file, loadable without DeepSpeed.")
     parser.add_argument("--run_dir", type=Path, help="run directory (default: the newest under runs/ with a checkpoint)")
     parser.add_argument("--tag", help="checkpoint tag (default: the latest)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
-    emulator = from_run_dir(args.run_dir or latest_run(), args.tag)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    export(emulator, args.out)
+    try:
+        if args.out.exists() and not args.overwrite:
+            raise EmulatorError(f"{args.out} exists: --overwrite replaces it, or choose another --out")
+        emulator = from_run_dir(args.run_dir or latest_run(), args.tag)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        export(emulator, args.out)
+    except EmulatorError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out} from {emulator.source}")
+    return 0

@@ -10,6 +10,7 @@ import torch
 
 from model import UNet
 from model.emulator import Emulator, EmulatorSpec, export, from_run_dir, from_weights
+from model.emulator import main as export_main
 from model.metrics import Normalization, compare, contrast, spectra
 from model.predict import main as predict_main
 from model.tiling import periodic_window, predict_box, tile_starts
@@ -160,6 +161,31 @@ def test_predict_command_after_training(trained, tmp_path):
                          "--out", str(tmp_path / "exported"), "--overlap", "4"]) == 0  # fmt: skip
     with h5py.File(tmp_path / "exported" / "prediction.h5") as f:
         assert np.array_equal(f["Hydro"][...], pred)
+
+
+def test_export_never_replaces_a_file_unasked_and_bad_sources_are_one_line(trained, tmp_path, capsys, caplog):
+    run, val = trained["run"], trained["val"]
+    out = tmp_path / "emulator.pt"
+    assert export_main(["--run_dir", str(run), "--out", str(out)]) == 0
+    stamp = out.stat().st_mtime_ns
+    assert export_main(["--run_dir", str(run), "--out", str(out)]) == 2
+    assert f"{out} exists: --overwrite replaces it" in capsys.readouterr().err and out.stat().st_mtime_ns == stamp
+    assert export_main(["--run_dir", str(run), "--out", str(out), "--overwrite"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["emulator.pt"]  # no partial file left
+    for argv, message in [
+        (["--run_dir", str(tmp_path)], "not a run directory (no config.json)"),
+        (["--run_dir", str(run), "--tag", "step9"], "no checkpoint 'step9' (found: step"),
+    ]:
+        assert export_main([*argv, "--out", str(tmp_path / "other.pt")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(out.read_bytes()[:10_000])
+    for weights, message in [(truncated, "not a readable torch file"), (tmp_path / "none.pt", "none.pt: no such file")]:
+        caplog.clear()
+        assert predict_main(["--weights", str(weights), "--input", str(val), "--out", str(tmp_path / "p")]) == 2
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and message in errors[0], errors
 
 
 def test_science_metrics_during_training(trained, tmp_path):
