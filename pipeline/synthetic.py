@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import tempfile
 import time
@@ -54,6 +55,20 @@ class SyntheticSpec:
     shock_heating: float = _param(1.0, "heating in converging flows: T *= 1 + shock_heating relu(-div v / rms)^2")
     velocity_unit_sigmas: float = _param(4.0, "velocities are divided by this many expected rms of one component")
     temperature_log_range: float = _param(3.0, "normalized temperature is log10(T / T0) divided by this")
+
+    def problem(self) -> str | None:
+        """What makes this spec unusable, in words; None when it is fine."""
+        if min(self.train_box_size, self.val_box_size) < 2:
+            return f"box sizes must be at least 2, got {self.train_box_size} and {self.val_box_size}"
+        if self.seed < 0:
+            return f"seed must not be negative, got {self.seed}"
+        positive = ("k_peak", "k_cut", "velocity_unit_sigmas", "temperature_log_range")
+        not_negative = ("sigma_log_density", "gas_smoothing", "shock_heating")
+        for name in positive + not_negative:
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (value == 0 and name in positive):
+                return f"{name} must be {'positive' if name in positive else 'non-negative'}, got {value}"
+        return None
 
 
 def _spectrum_shape(k: np.ndarray, spec: SyntheticSpec) -> np.ndarray:
@@ -197,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=f.metadata["help"])
     args = parser.parse_args(argv)
     spec = SyntheticSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SyntheticSpec)})
+    if spec.problem():
+        parser.error(spec.problem())
     for which, (box_size, seed) in boxes(spec).items():
         start = time.perf_counter()
         path = args.out_dir / f"{which}.h5"

@@ -89,6 +89,9 @@ def test_every_key_is_an_option():
         ({"Nsamples": 32}, "smaller than global_batch_size"),
         ({"global_batch_size": 0}, "global_batch_size must be positive"),
         ({"deepspeed_overrides": [1]}, "deepspeed_overrides must be a mapping"),
+        ({"synthetic": {"train_box_size": 0}}, "synthetic: box sizes must be at least 2, got 0 and 64"),
+        ({"synthetic": {"k_cut": -1.0}}, "synthetic: k_cut must be positive, got -1.0"),
+        ({"synthetic": {"seed": -1}}, "synthetic: seed must not be negative"),
     ],
 )
 def test_bad_values_are_named(data, message):
