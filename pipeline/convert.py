@@ -11,30 +11,35 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import h5py
 import numpy as np
 
-from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
+from pipeline.volumes import DataError, VolumeFiles, VolumePair
 
 
-def convert(h5_path: Path, out_prefix: Path, layout: str) -> tuple[Path, Path]:
+def convert(h5_path: Path, out_prefix: Path, layout: str, overwrite: bool = False) -> tuple[Path, Path]:
+    """The .npy pair of ``h5_path``; DataError, before anything is written, for a file the trainer would refuse
+    or outputs that exist (unless ``overwrite``). Each output is written under a hidden name and renamed."""
+    volumes = VolumePair.open(VolumeFiles.hdf5(h5_path), None, None, crop_size=1)
+    paths = [out_prefix.with_name(f"{out_prefix.name}_{suffix}.npy") for suffix in ("data", "label")]
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not overwrite:
+        verb = "exists" if len(existing) == 1 else "exist"
+        raise DataError(f"{' and '.join(existing)} {verb}: --overwrite replaces them, or choose another --out_prefix")
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
-    written = []
-    with h5py.File(h5_path, "r") as f:
-        for name, suffix in ((NBODY_DATASET, "data"), (HYDRO_DATASET, "label")):
-            source = f[name]
-            channels, *box = source.shape
-            shape = (channels, *box) if layout == "CDHW" else (*box, channels)
-            path = out_prefix.with_name(f"{out_prefix.name}_{suffix}.npy")
-            out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=tuple(shape))
-            for c in range(channels):
-                if layout == "CDHW":
-                    out[c] = source[c]
-                else:
-                    out[..., c] = source[c]
-            out.flush()
-            written.append(path)
-    return written[0], written[1]
+    for source, path in zip((volumes.nbody, volumes.hydro), paths, strict=True):
+        channels, *box = source.shape
+        shape = (channels, *box) if layout == "CDHW" else (*box, channels)
+        partial = path.with_name(f".{path.name}.partial")
+        out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=tuple(shape))
+        for c in range(channels):
+            if layout == "CDHW":
+                out[c] = source[c]
+            else:
+                out[..., c] = source[c]
+        out.flush()
+        del out
+        partial.replace(path)
+    return paths[0], paths[1]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,8 +47,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("h5_path", type=Path)
     parser.add_argument("--out_prefix", type=Path, required=True, help="writes <prefix>_data.npy and <prefix>_label.npy")
     parser.add_argument("--layout", choices=["CDHW", "DHWC"], default="CDHW")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     args = parser.parse_args(argv)
-    for path in convert(args.h5_path, args.out_prefix, args.layout):
+    try:
+        written = convert(args.h5_path, args.out_prefix, args.layout, args.overwrite)
+    except DataError as err:
+        parser.exit(2, f"error: {err}\n")
+    for path in written:
         print(f"wrote {path}")
 
 

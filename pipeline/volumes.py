@@ -75,14 +75,15 @@ def _open_npy(path: Path, layout: NpyLayout) -> np.ndarray:
     return array
 
 
-def _check(array: Any, path: Path, what: str, channels: int, layout: str | None) -> None:
-    """``layout``: the npy_layout the config declared (None for HDF5, always channels first)."""
+def _check(array: Any, path: Path, what: str, channels: int | None, layout: str | None) -> None:
+    """``layout``: the npy_layout the config declared (None for HDF5, always channels first); ``channels``: the
+    number expected, or None for any."""
     if array.ndim != 4 or len(set(array.shape[1:])) != 1:
         shape = tuple(array.shape) if layout != "DHWC" else tuple(array.shape[1:]) + (array.shape[0],)
         expected = "(L, L, L, channels)" if layout == "DHWC" else "(channels, L, L, L)"
         declared = f" as npy_layout {layout} declares" if layout else ""
         raise DataError(f"{path}: {what} has shape {shape}, expected {expected}{declared}")
-    if array.shape[0] != channels:
+    if channels is not None and array.shape[0] != channels:
         raise DataError(f"{path}: {what} has {array.shape[0]} channels, the model expects {channels}")
     if not np.issubdtype(array.dtype, np.floating):
         raise DataError(f"{path}: {what} holds {array.dtype}, expected floating point")
@@ -110,7 +111,7 @@ class VolumePair:
         return 4 * (int(np.prod(self.nbody.shape)) + int(np.prod(self.hydro.shape)))
 
     @classmethod
-    def open(cls, files: VolumeFiles, in_channels: int, out_channels: int, crop_size: int) -> VolumePair:
+    def open(cls, files: VolumeFiles, in_channels: int | None, out_channels: int | None, crop_size: int) -> VolumePair:
         if files.format == "hdf5":
             nbody, hydro = _open_hdf5(files.inputs, NBODY_DATASET), _open_hdf5(files.targets, HYDRO_DATASET)
             names = (f"dataset '{NBODY_DATASET}'", f"dataset '{HYDRO_DATASET}'")

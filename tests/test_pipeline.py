@@ -222,6 +222,14 @@ def test_convert_writes_npy_the_npy_format_reads(tmp_path, tiny_data, volumes, l
     assert (data.name, label.name) == ("train_data.npy", "train_label.npy")
     converted = VolumePair.open(VolumeFiles.npy(data, label, layout), 4, 5, CROP)
     assert np.array_equal(converted.nbody, volumes.nbody) and np.array_equal(converted.hydro, volumes.hydro)
+    stamps = [data.stat().st_mtime_ns, label.stat().st_mtime_ns]
+    with pytest.raises(DataError, match="train_data.npy and .*train_label.npy exist: --overwrite replaces them"):
+        convert(tiny_data["val"], tmp_path / "train", layout)
+    assert [data.stat().st_mtime_ns, label.stat().st_mtime_ns] == stamps
+    convert(tiny_data["val"], tmp_path / "train", layout, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train_data.npy", "train_label.npy"]  # no partial files
+    with pytest.raises(DataError, match="not a readable HDF5 file"):
+        convert(data, tmp_path / "other", layout)  # an .npy file is not the HDF5 the converter reads
 
 
 def test_host_memory_that_cannot_fit_is_refused_before_loading(volumes, monkeypatch):
