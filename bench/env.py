@@ -2,17 +2,47 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
+import sys
 import time
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.provenance import REPO as REPO  # re-exported for the benchmarks
 from trainer.provenance import git_commit
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON records of a results file, one per line. A line that is not one (the last record of a run killed
+    while writing it) is skipped with a warning; a missing or empty file ends the command in one line."""
+    if not path.is_file():
+        _fail(f"{path}: no such results file")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):
+            print(f"warning: {path} line {number} is not a JSON record (a write cut short?): skipped", file=sys.stderr)
+            continue
+        records.append(record)
+    if not records:
+        _fail(f"{path}: no records")
+    return records
 
 
 def _version(package: str) -> str | None:

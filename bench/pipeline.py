@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from bench.env import REPO, environment
+from bench.env import REPO, environment, read_records
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
 from pipeline.loaders import LoaderSettings, build_loader, crop_backend
 from pipeline.rotations import ROTATIONS, channel_order, channel_signs
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         with args.out.open("a") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
-    records = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
+    records = read_records(args.out)
     text = table(_latest_run(records))
     print(text)
     update_readme(REPO / "README.md", text)

@@ -9,12 +9,11 @@ Plots: throughput against ranks with the ideal line, scaling efficiency, the ste
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.env import REPO
+from bench.env import REPO, read_records
 from bench.pipeline import update_readme
 from bench.train import RESULTS
 
@@ -103,6 +102,7 @@ def plots(device: str, rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     slug = "cpu" if device == "cpu" else device.lower().replace(" ", "-")
+    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for sweep, marker in (("weak", "o"), ("strong", "s")):
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plots", type=Path, default=PLOTS)
     parser.add_argument("--readme", type=Path, default=REPO / "README.md")
     args = parser.parse_args(argv)
-    records = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    records = read_records(args.results)
     sections = []
     for device, rows in sorted(newest_runs(records).items()):
         written = plots(device, rows, args.plots)

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from bench.env import read_records
 from bench.flops import model_flops, peak_flops, utilization
 from bench.report import engine_overhead, newest_runs, scaling
 from bench.report import main as report_main
@@ -206,3 +207,17 @@ def test_the_users_deepspeed_overrides_merge_with_a_cases_own(tmp_path, monkeypa
     assert ds_config["zero_optimization"]["reduce_bucket_size"] == 500_000_000
     assert ds_config["optimizer"]["params"]["torch_adam"] is True  # and the user's, on every case
     assert all(ds["optimizer"]["params"]["torch_adam"] is True for _, _, ds in checked.values())
+
+
+def test_results_cut_short_keep_their_whole_records_and_a_missing_file_is_one_line(tmp_path, capsys):
+    """A GPU session's timeout can kill a benchmark while it writes its last record."""
+    path = tmp_path / "train.jsonl"
+    whole = [_record(run_id="1"), _record(run_id="1", mode="plain")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in whole) + json.dumps(_record())[:40])
+    assert read_records(path) == whole
+    assert f"{path} line 3 is not a JSON record" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("\n")
+    for name, message in [("none.jsonl", "no such results file"), ("empty.jsonl", "no records")]:
+        with pytest.raises(SystemExit) as exit_:
+            report_main(["--results", str(tmp_path / name)])
+        assert exit_.value.code == 2 and f"error: {tmp_path / name}: {message}" in capsys.readouterr().err
