@@ -43,8 +43,13 @@ def _open(path: Path, dataset: str, layout: str) -> tuple[object, dict]:
 
 def predict_file(emulator: Emulator, input_path: Path, out_dir: Path, overlap: int, batch: int, device: torch.device,
                  layout: str = "CDHW") -> Path:  # fmt: skip
-    volume, attrs = _open(input_path, NBODY_DATASET, layout)
     spec = emulator.spec
+    if not 0 <= overlap < spec.crop_size:
+        crop = spec.crop_size
+        raise ValueError(f"overlap {overlap} must be in [0, {crop}) for this emulator's {crop}^3 tiles")
+    if batch < 1:
+        raise ValueError(f"batch must be positive, got {batch}")
+    volume, attrs = _open(input_path, NBODY_DATASET, layout)
     if volume.ndim != 4 or volume.shape[0] != spec.in_channels or len(set(volume.shape[1:])) != 1:
         raise DataError(f"{input_path}: inputs of shape {tuple(volume.shape)}; the emulator takes ({spec.in_channels}, L, L, L)")
     box = volume.shape[1]

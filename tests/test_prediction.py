@@ -181,9 +181,14 @@ def test_export_never_replaces_a_file_unasked_and_bad_sources_are_one_line(train
         assert message in err and len(err.strip().splitlines()) == 1, err
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(out.read_bytes()[:10_000])
-    for weights, message in [(truncated, "not a readable torch file"), (tmp_path / "none.pt", "none.pt: no such file")]:
+    for weights, extra, message in [
+        (truncated, [], "not a readable torch file"),
+        (tmp_path / "none.pt", [], "none.pt: no such file"),
+        (out, ["--overlap", "-1"], "overlap -1 must be in [0, 16)"),
+        (out, ["--batch", "0"], "batch must be positive, got 0"),
+    ]:
         caplog.clear()
-        assert predict_main(["--weights", str(weights), "--input", str(val), "--out", str(tmp_path / "p")]) == 2
+        assert predict_main(["--weights", str(weights), "--input", str(val), "--out", str(tmp_path / "p"), *extra]) == 2
         errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
         assert len(errors) == 1 and message in errors[0], errors
 
