@@ -21,8 +21,7 @@ from typing import Any
 
 import torch.distributed as torch_dist
 
-from pipeline.volumes import DataError
-from trainer.checkpoint import CHECKPOINT_DIR, CheckpointError
+from trainer.checkpoint import CHECKPOINT_DIR
 from trainer.config import (
     Config,
     ConfigError,
@@ -32,15 +31,14 @@ from trainer.config import (
     load_named,
     parse_config_options,
 )
-from trainer.dist import DistEnv, DistError
+from trainer.dist import DistEnv
 from trainer.errors import NumericalError
 from trainer.preemption import PREEMPTED_EXIT, StopRequest
-from trainer.trainer import Trainer, init_distributed, prepare_data, write_resolved_config
+from trainer.trainer import USER_ERRORS, Trainer, init_distributed, prepare_data, write_resolved_config
 
 log = logging.getLogger("ds_train")
 # Exit statuses: 2 bad input (config, data, environment, checkpoint), 3 training diverged,
 # 75 stopped on request after a checkpoint (resume with --resume).
-USER_ERRORS = (ConfigError, DataError, DistError, CheckpointError)
 DIVERGED_EXIT = 3
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "train.log", "tensorboard", CHECKPOINT_DIR)
 # --overwrite moves the earlier run here, and deletes it only once the new run has passed its checks.

@@ -22,6 +22,7 @@ import json
 import logging
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +39,7 @@ from model import UNet, unet_loss
 from trainer.config import Config, add_config_options, build_config, load_named, parse_config_options
 from trainer.dist import DistEnv
 from trainer.engine import precision_name
-from trainer.trainer import Trainer, forward_loss, init_distributed, prepare_data
+from trainer.trainer import USER_ERRORS, Trainer, forward_loss, init_distributed, prepare_data
 
 RESULTS = REPO / "bench" / "results" / "train.jsonl"
 MODES = ("io", "synthetic", "full", "plain")
@@ -266,7 +267,17 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     return args, build_config(load_named(args.yaml_config, args.config), overrides)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    try:
+        measure(argv)
+    except USER_ERRORS as err:  # bad input: one line, as ds_train says it
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def measure(argv: list[str] | None) -> None:
+    """Build the case from the options, time its modes, append a record per mode to --out (rank 0)."""
     args, cfg = parse_args(argv)
     dist = DistEnv.from_environ()
     logging.basicConfig(level=logging.INFO if dist.is_main else logging.WARNING, format="%(asctime)s %(message)s",
@@ -310,4 +321,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -14,7 +14,7 @@ from bench.report import main as report_main
 from bench.sweep import PRESETS, check_cases
 from bench.train import Marks, percentiles, timed
 from model.unet import level_channels
-from tests.conftest import REPO, TINY_ARGS
+from tests.conftest import REPO, TINY_ARGS, single_process_env
 from trainer.engine import plan_batches
 
 
@@ -114,6 +114,19 @@ def test_a_benchmark_run_writes_complete_records(tmp_path):
     for r in records[1:]:
         assert {"achieved_tflops", "mfu", "peak_source", "forward_ms_p50", "backward_ms_p50", "optimizer_ms_p50"} <= set(r)
         assert r["achieved_tflops"] == pytest.approx(r["samples_per_s"] * r["train_flops_per_sample"] / 1e12)
+
+
+def test_bad_input_to_a_benchmark_is_one_line(tmp_path):
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(100))
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.train", *TINY_ARGS, "--synthetic", "null", "--train_path", str(truncated),
+         "--modes", "io", "--out", str(tmp_path / "train.jsonl")],
+        cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {truncated}: not a readable HDF5 file")
+    assert "Traceback" not in result.stderr and not (tmp_path / "train.jsonl").exists()
 
 
 def _record(**kw):

@@ -45,7 +45,7 @@ from pipeline.loaders import (
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import ensure_box
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
-from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from trainer.config import Config, ConfigError, to_dict
 from trainer.dist import DistEnv, DistError
 from trainer.engine import (
@@ -64,6 +64,8 @@ from trainer.provenance import git_commit
 from trainer.runlog import RunLog
 
 log = logging.getLogger(__name__)
+# Bad input (config, data, environment, checkpoint): one error line and exit status 2 in every command.
+USER_ERRORS = (ConfigError, DataError, DistError, CheckpointError)
 
 
 def forward_loss(engine: Any, inp: torch.Tensor, tar: torch.Tensor, lambda_rho: float) -> torch.Tensor:
