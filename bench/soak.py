@@ -55,16 +55,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--commit", help="the commit the reported run was made with, where its config.json does not say")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.minutes <= 0:
+        parser.error(f"--minutes must be positive, got {args.minutes}")
+    if args.report is not None and not (args.report / "metrics.jsonl").is_file():
+        parser.error(f"{args.report}: no metrics.jsonl (not a run directory?)")
     run_dir = args.report
     if run_dir is None:
         run_dir = REPO / "runs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
         cmd = [sys.executable, "ds_train.py", "--config", args.config, "--num_epochs", "100000", "--run_dir", str(run_dir)]
         proc = subprocess.Popen(cmd, cwd=REPO)
         try:
-            proc.wait(timeout=args.minutes * 60)
+            code = proc.wait(timeout=args.minutes * 60)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)  # the run checkpoints at its next step and exits 75
-            proc.wait()
+            code = proc.wait()
+        if code not in (0, 75):
+            sys.exit(f"the soak run failed (exit status {code}): see {run_dir / 'train.log'}")
     saved = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     env = environment()
     env["commit"] = saved.get("commit") or args.commit or env["commit"]
