@@ -31,7 +31,7 @@ from trainer.config import (
     load_named,
     parse_config_options,
 )
-from trainer.dist import DistEnv
+from trainer.dist import DistEnv, DistError
 from trainer.errors import NumericalError
 from trainer.preemption import PREEMPTED_EXIT, StopRequest
 from trainer.trainer import USER_ERRORS, Trainer, init_distributed, prepare_data, write_resolved_config
@@ -66,6 +66,7 @@ def resolve_config(args: argparse.Namespace, overrides: dict[str, str]) -> tuple
         return args.config, build_config(load_named(args.yaml_config, args.config), overrides)
     if args.run_dir is None:
         raise ConfigError("--resume needs --run_dir")
+    refuse_leftover_set_aside(args.run_dir)
     saved_path = args.run_dir / "config.json"
     if not saved_path.is_file():
         raise ConfigError(f"--resume: {saved_path} not found; is {args.run_dir} a run directory?")
@@ -80,15 +81,26 @@ def resolve_config(args: argparse.Namespace, overrides: dict[str, str]) -> tuple
     return saved["name"], cfg
 
 
-def resolve_run_dir(args: argparse.Namespace, name: str, dist: DistEnv) -> Path:
-    """The run directory, the same on every rank; a new run never reuses one that holds checkpoints."""
+def refuse_leftover_set_aside(run_dir: Path) -> None:
+    if (run_dir / SET_ASIDE).exists():
+        raise ConfigError(
+            f"{run_dir / SET_ASIDE} holds an earlier run that an interrupted --overwrite set aside: move its files "
+            f"back into {run_dir} to keep that run, or delete it; then start again"
+        )
+
+
+def resolve_run_dir(args: argparse.Namespace, name: str, dist: DistEnv) -> tuple[Path, bool]:
+    """The run directory, the same on every rank, and whether an earlier run in it was set aside (--overwrite).
+    A new run never reuses one that holds checkpoints."""
     if args.run_dir is not None:
         run_dir = args.run_dir
     else:
         stamp: list[Any] = [time.strftime("%Y%m%d-%H%M%S")]
         torch_dist.broadcast_object_list(stamp, src=0)  # ranks start at slightly different times
         run_dir = Path("runs") / f"{name}-{stamp[0]}"
-    earlier = [name for name in (*RUN_FILES, SET_ASIDE) if (run_dir / name).exists()]
+    refuse_leftover_set_aside(run_dir)
+    earlier = [name for name in RUN_FILES if (run_dir / name).exists()]
+    set_aside = False
     if earlier and not args.resume:
         if not args.overwrite:
             raise ConfigError(
@@ -97,45 +109,28 @@ def resolve_run_dir(args: argparse.Namespace, name: str, dist: DistEnv) -> Path:
             )
         torch_dist.barrier()  # every rank has looked before rank 0 moves anything
         if dist.is_main:
-            set_aside_earlier_run(run_dir, earlier)
+            (run_dir / SET_ASIDE).mkdir()
+            for name in earlier:  # renames, nothing copied
+                (run_dir / name).rename(run_dir / SET_ASIDE / name)
+        set_aside = True
     if dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     torch_dist.barrier()
-    return run_dir
-
-
-def _remove(path: Path) -> None:
-    shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-def set_aside_earlier_run(run_dir: Path, names: list[str]) -> None:
-    """--overwrite, first half: the earlier run's files move into ``run_dir/SET_ASIDE`` (renames, nothing copied),
-    to be deleted once the new run has passed its checks, or put back if it fails them. A set-aside left by an
-    overwrite that never finished keeps the run it holds, the oldest."""
-    aside = run_dir / SET_ASIDE
-    aside.mkdir(exist_ok=True)
-    for name in names:
-        if name == SET_ASIDE:
-            continue
-        if (aside / name).exists():
-            _remove(run_dir / name)
-        else:
-            (run_dir / name).rename(aside / name)
+    return run_dir, set_aside
 
 
 def settle_earlier_run(run_dir: Path, new_run_started: bool) -> None:
     """--overwrite, second half: delete the earlier run set aside, or put it back where the new run failed."""
     aside = run_dir / SET_ASIDE
-    if not aside.exists():
-        return
     if new_run_started:
         log.warning("--overwrite: deleted the earlier run in %s", run_dir)
         shutil.rmtree(aside)
         return
     for entry in aside.iterdir():
-        if (run_dir / entry.name).exists():
-            _remove(run_dir / entry.name)
-        entry.rename(run_dir / entry.name)
+        mine = run_dir / entry.name  # what the failed start wrote (its log, its metrics)
+        if mine.exists():
+            shutil.rmtree(mine) if mine.is_dir() else mine.unlink()
+        entry.rename(mine)
     aside.rmdir()
     log.warning("--overwrite: the new run did not start; the earlier run in %s is back as it was", run_dir)
 
@@ -157,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--resume continues a run and --overwrite deletes it: pass one of them")
         return 2
     stop = StopRequest()  # SIGTERM / SIGUSR1: checkpoint at the next step boundary, then exit 75
-    run_dir, dist, checks_passed = None, None, False
+    run_dir, dist, set_aside, checks_passed = None, None, False, False
     try:
         dist = DistEnv.from_environ()
         configure_logging(dist.rank)
@@ -168,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             "rank %d of %d (local rank %d of %d on this node), from %s",
             dist.rank, dist.world_size, dist.local_rank, dist.local_world_size, started,
         )  # fmt: skip
-        run_dir = resolve_run_dir(args, name, dist)
+        run_dir, set_aside = resolve_run_dir(args, name, dist)
         if dist.is_main:
             handler = logging.FileHandler(run_dir / "train.log")
             handler.setFormatter(logging.getLogger().handlers[0].formatter)
@@ -176,10 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             log.info("run directory %s", run_dir)
         prepare_data(cfg, dist)
         trainer = Trainer(cfg, name, dist, device, run_dir, args.resume, args.stop_after_epoch, stop)
-        torch_dist.barrier()  # every rank has passed its checks
+        try:
+            torch_dist.barrier()  # every rank has passed its checks
+        except RuntimeError:  # a rank that stopped on bad input closed its connections
+            raise DistError("another rank stopped before training started (its output says why)") from None
         checks_passed = True
         if dist.is_main:
-            settle_earlier_run(run_dir, new_run_started=True)
+            if set_aside:
+                settle_earlier_run(run_dir, new_run_started=True)
             write_resolved_config(run_dir, name, cfg, trainer.ds_config, dist)
         summary = trainer.train()
     except USER_ERRORS as err:
@@ -189,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", err)
         return DIVERGED_EXIT
     finally:
-        if run_dir is not None and dist.is_main and not checks_passed:
+        if set_aside and dist.is_main and not checks_passed:
             settle_earlier_run(run_dir, new_run_started=False)
     return PREEMPTED_EXIT if summary["preempted"] else 0
 

@@ -152,10 +152,14 @@ def test_overwrite_is_explicit_and_deletes_only_once_the_new_run_has_passed_its_
     assert json.loads((copy / "summary.json").read_text())["epochs"] == 1
     assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["latest", "step00000016"]
     assert not (copy / ".overwritten").exists()
-    # An overwrite killed before it settled leaves the earlier run set aside: a new run without --overwrite sees it.
+    # An overwrite killed before it settled leaves the earlier run set aside: no start of any kind touches it.
     interrupted = tmp_path / "interrupted"
     shutil.copytree(finished, interrupted / ".overwritten")
-    assert "holds an earlier run (.overwritten)" in _one_error_line(run_train(_args(data, interrupted)))
+    leftover = _tree(interrupted)
+    for extra in ([], ["--overwrite"], ["--resume"]):
+        line = _one_error_line(run_train(_args(data, interrupted, *extra)))
+        assert "holds an earlier run that an interrupted --overwrite set aside: move its files back" in line
+    assert _tree(interrupted) == leftover
 
 
 # --- checkpoints are never lost --------------------------------------------------------------------------
