@@ -18,7 +18,7 @@ from pipeline.volumes import DataError, VolumeFiles, VolumePair
 
 def convert(h5_path: Path, out_prefix: Path, layout: str, overwrite: bool = False) -> tuple[Path, Path]:
     """The .npy pair of ``h5_path``; DataError, before anything is written, for a file the trainer would refuse
-    or outputs that exist (unless ``overwrite``). Each output is written under a hidden name and renamed."""
+    or outputs that exist (unless ``overwrite``). Both outputs are written under hidden names, then renamed."""
     volumes = VolumePair.open(VolumeFiles.hdf5(h5_path), None, None, crop_size=1)
     paths = [out_prefix.with_name(f"{out_prefix.name}_{suffix}.npy") for suffix in ("data", "label")]
     existing = [str(p) for p in paths if p.exists()]
@@ -26,19 +26,24 @@ def convert(h5_path: Path, out_prefix: Path, layout: str, overwrite: bool = Fals
         verb = "exists" if len(existing) == 1 else "exist"
         raise DataError(f"{' and '.join(existing)} {verb}: --overwrite replaces them, or choose another --out_prefix")
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
-    for source, path in zip((volumes.nbody, volumes.hydro), paths, strict=True):
-        channels, *box = source.shape
-        shape = (channels, *box) if layout == "CDHW" else (*box, channels)
-        partial = path.with_name(f".{path.name}.partial")
-        out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=tuple(shape))
-        for c in range(channels):
-            if layout == "CDHW":
-                out[c] = source[c]
-            else:
-                out[..., c] = source[c]
-        out.flush()
-        del out
-        partial.replace(path)
+    partials = [path.with_name(f".{path.name}.partial") for path in paths]
+    try:
+        for source, partial in zip((volumes.nbody, volumes.hydro), partials, strict=True):
+            channels, *box = source.shape
+            shape = (channels, *box) if layout == "CDHW" else (*box, channels)
+            out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=tuple(shape))
+            for c in range(channels):
+                if layout == "CDHW":
+                    out[c] = source[c]
+                else:
+                    out[..., c] = source[c]
+            out.flush()
+            del out
+        for partial, path in zip(partials, paths, strict=True):  # both written: a pair is never half old, half new
+            partial.replace(path)
+    finally:
+        for partial in partials:
+            partial.unlink(missing_ok=True)
     return paths[0], paths[1]
 
 

@@ -215,7 +215,8 @@ def test_missing_corrupt_and_too_small(tmp_path, tiny_data):
 
 
 @pytest.mark.parametrize("layout", ["CDHW", "DHWC"])
-def test_convert_writes_npy_the_npy_format_reads(tmp_path, tiny_data, volumes, layout):
+def test_convert_writes_npy_the_npy_format_reads(tmp_path, tiny_data, volumes, layout, monkeypatch):
+    import pipeline.convert
     from pipeline.convert import convert
 
     data, label = convert(tiny_data["train"], tmp_path / "train", layout)
@@ -225,6 +226,20 @@ def test_convert_writes_npy_the_npy_format_reads(tmp_path, tiny_data, volumes, l
     stamps = [data.stat().st_mtime_ns, label.stat().st_mtime_ns]
     with pytest.raises(DataError, match="train_data.npy and .*train_label.npy exist: --overwrite replaces them"):
         convert(tiny_data["val"], tmp_path / "train", layout)
+    assert [data.stat().st_mtime_ns, label.stat().st_mtime_ns] == stamps
+    # Interrupted while writing the targets (a full disk, say): the old pair stays whole, no partial file stays.
+    real, calls = np.lib.format.open_memmap, []
+
+    def fail_on_the_second(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError("No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline.convert.np.lib.format, "open_memmap", fail_on_the_second)
+    with pytest.raises(OSError, match="No space left"):
+        convert(tiny_data["val"], tmp_path / "train", layout, overwrite=True)
+    monkeypatch.undo()
     assert [data.stat().st_mtime_ns, label.stat().st_mtime_ns] == stamps
     convert(tiny_data["val"], tmp_path / "train", layout, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train_data.npy", "train_label.npy"]  # no partial files
