@@ -62,8 +62,11 @@ class SyntheticSpec:
             return f"box sizes must be at least 2, got {self.train_box_size} and {self.val_box_size}"
         if self.seed < 0:
             return f"seed must not be negative, got {self.seed}"
-        positive = ("k_peak", "k_cut", "velocity_unit_sigmas", "temperature_log_range")
-        not_negative = ("sigma_log_density", "gas_smoothing", "shock_heating")
+        if not math.isfinite(self.gamma):
+            return f"gamma must be finite, got {self.gamma}"
+        # sigma_log_density 0 would make a uniform box, whose velocities are 0/0
+        positive = ("k_peak", "k_cut", "sigma_log_density", "velocity_unit_sigmas", "temperature_log_range")
+        not_negative = ("gas_smoothing", "shock_heating")
         for name in positive + not_negative:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0 or (value == 0 and name in positive):

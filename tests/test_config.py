@@ -92,6 +92,8 @@ def test_every_key_is_an_option():
         ({"synthetic": {"train_box_size": 0}}, "synthetic: box sizes must be at least 2, got 0 and 64"),
         ({"synthetic": {"k_cut": -1.0}}, "synthetic: k_cut must be positive, got -1.0"),
         ({"synthetic": {"seed": -1}}, "synthetic: seed must not be negative"),
+        ({"synthetic": {"sigma_log_density": 0.0}}, "synthetic: sigma_log_density must be positive"),
+        ({"synthetic": {"gamma": float("nan")}}, "synthetic: gamma must be finite"),
     ],
 )
 def test_bad_values_are_named(data, message):
