@@ -18,6 +18,19 @@ from trainer.provenance import REPO as REPO  # re-exported for the benchmarks
 from trainer.provenance import git_commit
 
 
+def append_records(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append one JSON line per record, starting on a line of its own after a record cut short (a run killed
+    while writing it), so that the fragment never swallows the next record."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab+") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write("".join(json.dumps(r) + "\n" for r in records).encode())
+
+
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)

@@ -15,7 +15,6 @@ the median over repeats that go round all cases in turn.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from bench.env import REPO, environment, read_records
+from bench.env import REPO, append_records, environment, read_records
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
 from pipeline.loaders import LoaderSettings, build_loader, crop_backend
 from pipeline.rotations import ROTATIONS, channel_order, channel_signs
@@ -198,11 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report", action="store_true", help="only regenerate the README table from --out")
     args = parser.parse_args(argv)
     if not args.report:
-        records = run(args)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        append_records(args.out, run(args))
     records = read_records(args.out)
     text = table(_latest_run(records))
     print(text)

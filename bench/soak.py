@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.env import REPO, environment
+from bench.env import REPO, append_records, environment, read_records
 
 RESULTS = REPO / "bench" / "results" / "soak.jsonl"
 
 
 def memory_trend(run_dir: Path) -> dict[str, Any]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(run_dir / "metrics.jsonl")
     points = [(r["time_s"], r["memory/host_rss_mib"]) for r in records if "memory/host_rss_mib" in r]
     if len(points) < 20:
         raise ValueError(f"{run_dir}: only {len(points)} memory records; run longer")
@@ -70,14 +70,16 @@ def main(argv: list[str] | None = None) -> None:
             proc.send_signal(signal.SIGTERM)  # the run checkpoints at its next step and exits 75
             code = proc.wait()
         if code not in (0, 75):
-            sys.exit(f"the soak run failed (exit status {code}): see {run_dir / 'train.log'}")
+            sys.exit(f"the soak run failed (exit status {code}): its output above says why")
     saved = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     env = environment()
     env["commit"] = saved.get("commit") or args.commit or env["commit"]
-    record = {"bench": "soak", "run_dir": str(run_dir), **memory_trend(run_dir), **env}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        trend = memory_trend(run_dir)
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    record = {"bench": "soak", "run_dir": str(run_dir), **trend, **env}
+    append_records(args.out, [record])
     print(json.dumps(record, indent=2))
 
 

@@ -18,7 +18,6 @@ CPU; samples/s is global samples over wall time. Rank 0 appends one record per m
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import resource
 import statistics
@@ -33,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from bench.env import REPO, environment
+from bench.env import REPO, append_records, environment
 from bench.flops import model_flops, utilization
 from model import UNet, unet_loss
 from trainer.config import Config, add_config_options, build_config, load_named, parse_config_options
@@ -312,9 +311,7 @@ def measure(argv: list[str] | None) -> None:
                 **env,
             }  # fmt: skip
             if dist.is_main:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                with args.out.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
+                append_records(args.out, [record])
                 log.info("%s %s: %.1f samples/s, step p50 %.1f ms", args.case or args.config, mode,
                          record["samples_per_s"], record["step_ms_p50"])  # fmt: skip
         torch_dist.barrier()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bench.env import read_records
+from bench.env import append_records, read_records
 from bench.flops import model_flops, peak_flops, utilization
 from bench.report import engine_overhead, newest_runs, scaling
 from bench.report import main as report_main
@@ -229,6 +229,9 @@ def test_results_cut_short_keep_their_whole_records_and_a_missing_file_is_one_li
     path.write_text("".join(json.dumps(r) + "\n" for r in whole) + json.dumps(_record())[:40])
     assert read_records(path) == whole
     assert f"{path} line 3 is not a JSON record" in capsys.readouterr().err
+    after = _record(run_id="2")
+    append_records(path, [after])  # the next run's record starts a line of its own, after the fragment
+    assert read_records(path) == [*whole, after]
     (tmp_path / "empty.jsonl").write_text("\n")
     for name, message in [("none.jsonl", "no such results file"), ("empty.jsonl", "no records")]:
         with pytest.raises(SystemExit) as exit_:
