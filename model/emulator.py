@@ -92,7 +92,11 @@ def from_run_dir(run_dir: Path, tag: str | None = None) -> Emulator:
     """
     if not (run_dir / "config.json").is_file():
         raise EmulatorError(f"{run_dir}: not a run directory (no config.json)")
-    config = json.loads((run_dir / "config.json").read_text())
+    try:
+        spec = EmulatorSpec.from_config(json.loads((run_dir / "config.json").read_text())["config"])
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        why = f"{type(err).__name__}: {err}"
+        raise EmulatorError(f"{run_dir / 'config.json'}: not a run's resolved config ({why})") from None
     checkpoints = run_dir / "checkpoints"
     if tag is None:
         if not (checkpoints / "latest").is_file():
@@ -102,7 +106,9 @@ def from_run_dir(run_dir: Path, tag: str | None = None) -> Emulator:
         found = sorted(p.name for p in checkpoints.glob("step*")) if checkpoints.is_dir() else []
         raise EmulatorError(f"{run_dir}: no checkpoint {tag!r} (found: {', '.join(found) or 'none'})")
     saved = _load(checkpoints / tag / "mp_rank_00_model_states.pt")
-    return _build(EmulatorSpec.from_config(config["config"]), saved["module"], f"{run_dir} checkpoint {tag}")
+    if not isinstance(saved, dict) or "module" not in saved:
+        raise EmulatorError(f"{checkpoints / tag}: not a DeepSpeed model checkpoint (no 'module' weights)")
+    return _build(spec, saved["module"], f"{run_dir} checkpoint {tag}")
 
 
 def export(emulator: Emulator, out: Path) -> None:
@@ -119,7 +125,12 @@ def from_weights(path: Path) -> Emulator:
     saved = _load(path)
     if not isinstance(saved, dict) or saved.get("format") != "cosmo-emulator/1":
         raise EmulatorError(f"{path}: not an exported emulator (python -m model.export writes them)")
-    return _build(EmulatorSpec(**saved["spec"]), saved["state_dict"], str(path))
+    try:
+        spec = EmulatorSpec(**saved["spec"])
+    except (KeyError, TypeError) as err:
+        why = f"{type(err).__name__}: {err}"
+        raise EmulatorError(f"{path}: an exported emulator without a usable spec ({why})") from None
+    return _build(spec, saved["state_dict"], str(path))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     try:
+        if args.out.is_dir():
+            raise EmulatorError(f"{args.out} is a directory: --out names the file to write")
         if args.out.exists() and not args.overwrite:
             raise EmulatorError(f"{args.out} exists: --overwrite replaces it, or choose another --out")
         emulator = from_run_dir(args.run_dir or latest_run(), args.tag)

@@ -172,11 +172,16 @@ def test_export_never_replaces_a_file_unasked_and_bad_sources_are_one_line(train
     assert f"{out} exists: --overwrite replaces it" in capsys.readouterr().err and out.stat().st_mtime_ns == stamp
     assert export_main(["--run_dir", str(run), "--out", str(out), "--overwrite"]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["emulator.pt"]  # no partial file left
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"config": {"unet_width"')
     for argv, message in [
         (["--run_dir", str(tmp_path)], "not a run directory (no config.json)"),
         (["--run_dir", str(run), "--tag", "step9"], "no checkpoint 'step9' (found: step"),
+        (["--run_dir", str(broken)], "config.json: not a run's resolved config (JSONDecodeError"),
+        (["--run_dir", str(run), "--out", str(tmp_path)], "is a directory: --out names the file to write"),
     ]:
-        assert export_main([*argv, "--out", str(tmp_path / "other.pt")]) == 2
+        assert export_main(["--out", str(tmp_path / "other.pt"), *argv]) == 2  # a later --out wins
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     truncated = tmp_path / "truncated.pt"
