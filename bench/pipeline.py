@@ -195,13 +195,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no_dali", action="store_true", help="torch backend only (machines without DALI)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--report", action="store_true", help="only regenerate the README table from --out")
+    parser.add_argument("--readme", type=Path, help="README whose table to regenerate (default: README.md, with "
+                        "--report or when --out is the default results file)")  # fmt: skip
     args = parser.parse_args(argv)
     if not args.report:
         append_records(args.out, run(args))
     records = read_records(args.out)
     text = table(_latest_run(records))
     print(text)
-    update_readme(REPO / "README.md", text)
+    readme = args.readme or (REPO / "README.md" if args.report or args.out == RESULTS else None)
+    if readme is None:  # a run of one's own, kept apart from the project's results
+        print(f"README not updated: --report --out {args.out} puts this table there")
+    else:
+        update_readme(readme, text)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ import json
 
 import numpy as np
 
+from bench.env import REPO
 from bench.pipeline import AUG, ReferenceStyleCrops, _latest_run, _time_batches, table, update_readme
+from bench.pipeline import main as pipeline_main
 from pipeline.sampling import DrawPlan
 from pipeline.volumes import VolumeFiles, VolumePair
 
@@ -52,3 +54,17 @@ def test_table_uses_the_newest_run_and_ratios_to_its_baseline(tmp_path):
     content = readme.read_text()
     assert "old" not in content and "1.60x" in content and content.startswith("a\n") and content.endswith("b\n")
     json.dumps(records)  # records stay plain JSON
+
+
+def test_a_run_with_its_own_results_file_leaves_the_readme_alone(tiny_data, tmp_path, capsys):
+    readme = (REPO / "README.md").read_bytes()
+    out = tmp_path / "pipeline.jsonl"
+    pipeline_main(["--data", str(tiny_data["train"]), "--crops", "8", "--batch", "4", "--threads", "1", "--warmup", "1",
+                   "--batches", "2", "--repeats", "1", "--no_dali", "--out", str(out)])  # fmt: skip
+    assert {r["case"] for r in map(json.loads, out.read_text().splitlines())} >= {"baseline", "torch-host"}
+    assert (REPO / "README.md").read_bytes() == readme
+    assert f"README not updated: --report --out {out} puts this table there" in capsys.readouterr().out
+    copy = tmp_path / "README.md"
+    copy.write_text("<!-- bench:pipeline:start -->\n<!-- bench:pipeline:end -->\n")
+    pipeline_main(["--report", "--out", str(out), "--readme", str(copy)])
+    assert "| 8^3 | torch-host |" in copy.read_text()
