@@ -10,7 +10,7 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -31,7 +31,7 @@ def append_records(path: Path, records: list[dict[str, Any]]) -> None:
         f.write("".join(json.dumps(r) + "\n" for r in records).encode())
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 

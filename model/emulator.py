@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from model.unet import UNet
+from pipeline.files import written_atomically
 
 
 @dataclass(frozen=True)
@@ -112,13 +113,12 @@ def from_run_dir(run_dir: Path, tag: str | None = None) -> Emulator:
 
 
 def export(emulator: Emulator, out: Path) -> None:
-    """One file: float32 weights and the spec, readable with torch.load(weights_only=True). Written next to
-    ``out`` and renamed into place, so that an interrupted export leaves no half file."""
+    """One file: float32 weights and the spec, readable with torch.load(weights_only=True); an interrupted export
+    leaves no half file."""
     state = {k: v.detach().float().cpu() for k, v in emulator.model.state_dict().items()}
-    partial = out.with_name(f".{out.name}.partial")
     saved = {"format": "cosmo-emulator/1", "spec": asdict(emulator.spec), "state_dict": state, "source": emulator.source}
-    torch.save(saved, partial)
-    partial.replace(out)
+    with written_atomically(out) as tmp:
+        torch.save(saved, tmp)
 
 
 def from_weights(path: Path) -> Emulator:
@@ -146,7 +146,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.out.exists() and not args.overwrite:
             raise EmulatorError(f"{args.out} exists: --overwrite replaces it, or choose another --out")
         emulator = from_run_dir(args.run_dir or latest_run(), args.tag)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         export(emulator, args.out)
     except EmulatorError as err:
         print(f"error: {err}", file=sys.stderr)

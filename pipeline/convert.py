@@ -13,22 +13,22 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.files import written_atomically
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
 
 
 def convert(h5_path: Path, out_prefix: Path, layout: str, overwrite: bool = False) -> tuple[Path, Path]:
     """The .npy pair of ``h5_path``; DataError, before anything is written, for a file the trainer would refuse
-    or outputs that exist (unless ``overwrite``). Both outputs are written under hidden names, then renamed."""
+    or outputs that exist (unless ``overwrite``)."""
     volumes = VolumePair.open(VolumeFiles.hdf5(h5_path), None, None, crop_size=1)
     paths = [out_prefix.with_name(f"{out_prefix.name}_{suffix}.npy") for suffix in ("data", "label")]
     existing = [str(p) for p in paths if p.exists()]
     if existing and not overwrite:
         verb = "exists" if len(existing) == 1 else "exist"
         raise DataError(f"{' and '.join(existing)} {verb}: --overwrite replaces them, or choose another --out_prefix")
-    out_prefix.parent.mkdir(parents=True, exist_ok=True)
-    partials = [path.with_name(f".{path.name}.partial") for path in paths]
-    try:
-        for source, partial in zip((volumes.nbody, volumes.hydro), partials, strict=True):
+    # Both outputs are renamed into place only once both are written: a pair is never half old, half new.
+    with written_atomically(paths[0]) as data, written_atomically(paths[1]) as label:
+        for source, partial in zip((volumes.nbody, volumes.hydro), (data, label), strict=True):
             channels, *box = source.shape
             shape = (channels, *box) if layout == "CDHW" else (*box, channels)
             out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=tuple(shape))
@@ -39,11 +39,6 @@ def convert(h5_path: Path, out_prefix: Path, layout: str, overwrite: bool = Fals
                     out[..., c] = source[c]
             out.flush()
             del out
-        for partial, path in zip(partials, paths, strict=True):  # both written: a pair is never half old, half new
-            partial.replace(path)
-    finally:
-        for partial in partials:
-            partial.unlink(missing_ok=True)
     return paths[0], paths[1]
 
 

@@ -22,8 +22,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +30,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from pipeline.files import written_atomically
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, LOG_DENSITY_SCALE, NBODY_CHANNELS, NBODY_DATASET
 from pipeline.volumes import DataError
 
@@ -161,22 +160,11 @@ def _attributes(spec: SyntheticSpec, box_size: int, seed: int) -> dict[str, str 
 def write_box(path: Path, spec: SyntheticSpec, box_size: int, seed: int) -> None:
     """Generate one box and write it to ``path`` atomically (a reader never sees a partial file)."""
     nbody, hydro = generate_box(spec, box_size, seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; data files are shared like any other
-    try:
-        with h5py.File(tmp, "w") as f:
-            for key, value in _attributes(spec, box_size, seed).items():
-                f.attrs[key] = value
-            for name, data, channels in ((NBODY_DATASET, nbody, NBODY_CHANNELS), (HYDRO_DATASET, hydro, HYDRO_CHANNELS)):
-                f.create_dataset(name, data=data).attrs["channels"] = json.dumps(channels)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with written_atomically(path) as tmp, h5py.File(tmp, "w") as f:
+        for key, value in _attributes(spec, box_size, seed).items():
+            f.attrs[key] = value
+        for name, data, channels in ((NBODY_DATASET, nbody, NBODY_CHANNELS), (HYDRO_DATASET, hydro, HYDRO_CHANNELS)):
+            f.create_dataset(name, data=data).attrs["channels"] = json.dumps(channels)
 
 
 def boxes(spec: SyntheticSpec) -> dict[str, tuple[int, int]]:
@@ -215,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=f.metadata["help"])
     args = parser.parse_args(argv)
     spec = SyntheticSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SyntheticSpec)})
-    if spec.problem():
-        parser.error(spec.problem())
+    if problem := spec.problem():
+        parser.error(problem)
     for which, (box_size, seed) in boxes(spec).items():
         start = time.perf_counter()
         path = args.out_dir / f"{which}.h5"

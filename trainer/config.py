@@ -167,8 +167,8 @@ class Config:
             raise ConfigError(f"data_prefetch must not be negative, got {self.data_prefetch}")
         if self.synthetic is not None and self.data_format != "hdf5":
             raise ConfigError("synthetic data is written as HDF5: use data_format hdf5 with a synthetic block")
-        if self.synthetic is not None and self.synthetic.problem():
-            raise ConfigError(f"synthetic: {self.synthetic.problem()}")
+        if self.synthetic is not None and (problem := self.synthetic.problem()):
+            raise ConfigError(f"synthetic: {problem}")
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:
             raise ConfigError(f"micro_batch_size must be positive, got {self.micro_batch_size}")
         if self.data_size % 2**self.unet_depth:

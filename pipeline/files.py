@@ -1,0 +1,28 @@
+"""Writing files so that a reader never sees half of one, and an interrupted write leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def written_atomically(path: Path) -> Iterator[Path]:
+    """A hidden file next to ``path`` to write into: it replaces ``path`` when the block ends normally and is
+    removed when it raises. Its name is unique, so writers on several nodes of a shared file system do not
+    collide; its permissions follow the umask, like any file the user creates."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp = Path(name)
+    tmp.chmod(0o666 & ~umask)  # mkstemp makes it private
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
