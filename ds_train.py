@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.distributed as torch_dist
 
+from pipeline.cli import output_dir
 from trainer.checkpoint import CHECKPOINT_DIR
 from trainer.config import (
     Config,
@@ -28,6 +29,7 @@ from trainer.config import (
     add_config_options,
     build_config,
     changes_on_resume,
+    config_parser,
     load_named,
     parse_config_options,
 )
@@ -47,8 +49,9 @@ SET_ASIDE = ".overwritten"
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
     """Fixed options, plus every config key as an override (returned as dotted key -> raw value)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--run_dir", type=Path, help="run directory (default: runs/<config>-<date>-<time>)")
+    parser = config_parser("ds_train.py", __doc__.split("\n\n")[0], sys.argv[1:] if argv is None else argv,
+                           usage="%(prog)s [--config NAME] [--run_dir DIR] [--resume | --overwrite] [--KEY VALUE ...]")
+    parser.add_argument("--run_dir", type=output_dir, help="run directory (default: runs/<config>-<date>-<time>)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --run_dir from its latest checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="start afresh in a --run_dir that holds an earlier run, deleting it")
     parser.add_argument(

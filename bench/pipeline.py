@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bench.env import REPO, append_records, environment, read_records
+from pipeline.cli import ArgumentParser, existing_file, output_file
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
 from pipeline.loaders import LoaderSettings, build_loader, crop_backend
 from pipeline.rotations import ROTATIONS, channel_order, channel_signs
@@ -33,6 +34,7 @@ from pipeline.synthetic import SyntheticSpec, write_box
 from pipeline.volumes import VolumeFiles, VolumePair
 
 RESULTS = REPO / "bench" / "results" / "pipeline.jsonl"
+DOC = REPO / "docs" / "benchmarks.md"  # the page whose tables bench.pipeline and bench.report regenerate
 AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
 
 
@@ -159,7 +161,7 @@ def table(records: list[dict[str, Any]]) -> str:
         lines += [
             f"{device} ({first['cpu']}, {first['cores']} cores), {first['box']}^3 box, batch {first['batch']}, "
             f"{first['threads']} threads/workers, {first['dtype']} inputs; torch {first['torch']}, DALI {first['dali']}, "
-            f"commit {first['commit']}, {first['time']}",
+            f"measured {first['time']}",
             "",
             "| crop | case | samples/s (median) | min - max | vs baseline |",
             "| --- | --- | ---: | ---: | ---: |",
@@ -173,18 +175,18 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def update_readme(readme: Path, text: str, name: str = "pipeline") -> None:
-    """Replace what stands between the ``bench:<name>`` markers in ``readme`` with ``text``."""
+def update_doc(doc: Path, text: str, name: str = "pipeline") -> None:
+    """Replace what stands between the ``bench:<name>`` markers in the markdown page ``doc`` with ``text``."""
     start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
-    content = readme.read_text()
+    content = doc.read_text()
     head, rest = content.split(start, 1)
     _, tail = rest.split(end, 1)
-    readme.write_text(f"{head}{start}\n{text}\n{end}{tail}")
+    doc.write_text(f"{head}{start}\n{text}\n{end}{tail}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=Path, default=REPO / "data" / "bench" / "train_256.h5", help="HDF5 box (written if missing)")
+    parser = ArgumentParser(prog="python -m bench.pipeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=output_file, default=REPO / "data" / "bench" / "train_256.h5", help="HDF5 box (written if missing)")
     parser.add_argument("--box", type=int, default=256, help="side of the synthetic box written when --data is missing")
     parser.add_argument("--crops", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--batch", type=int, default=32)
@@ -193,21 +195,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=20, help="batches timed per case and repeat")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case; the median is reported")
     parser.add_argument("--no_dali", action="store_true", help="torch backend only (machines without DALI)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--report", action="store_true", help="only regenerate the README table from --out")
-    parser.add_argument("--readme", type=Path, help="README whose table to regenerate (default: README.md, with "
-                        "--report or when --out is the default results file)")  # fmt: skip
+    parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
+    parser.add_argument("--report", action="store_true", help=f"only regenerate the table in {DOC.relative_to(REPO)} from --out")
+    parser.add_argument("--doc", type=existing_file, help=f"markdown page whose table to regenerate (default: {DOC.relative_to(REPO)}, "
+                        "with --report or when --out is the default results file)")  # fmt: skip
     args = parser.parse_args(argv)
     if not args.report:
         append_records(args.out, run(args))
     records = read_records(args.out)
     text = table(_latest_run(records))
     print(text)
-    readme = args.readme or (REPO / "README.md" if args.report or args.out == RESULTS else None)
-    if readme is None:  # a run of one's own, kept apart from the project's results
-        print(f"README not updated: --report --out {args.out} puts this table there")
+    doc = args.doc or (DOC if args.report or args.out == RESULTS else None)
+    if doc is None:  # a run of one's own, kept apart from the project's results
+        print(f"{DOC.relative_to(REPO)} not updated: --report --out {args.out} puts this table there")
     else:
-        update_readme(readme, text)
+        update_doc(doc, text)
 
 
 if __name__ == "__main__":

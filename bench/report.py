@@ -8,14 +8,15 @@ Plots: throughput against ranks with the ideal line, scaling efficiency, the ste
 
 from __future__ import annotations
 
-import argparse
+import os
 import statistics
 from pathlib import Path
 from typing import Any
 
 from bench.env import REPO, read_records
-from bench.pipeline import update_readme
+from bench.pipeline import DOC, update_doc
 from bench.train import RESULTS
+from pipeline.cli import ArgumentParser, existing_file, output_dir
 
 PLOTS = REPO / "bench" / "results"
 
@@ -61,7 +62,7 @@ def table(device: str, rows: list[dict[str, Any]]) -> str:
     first = rows[0]
     lines = [
         f"**{device}** ({first['cpu']}, {first['cores']} cores); torch {first['torch']}, DeepSpeed {first['deepspeed']}, "
-        f"commit {first['commit']}, run {first['run_id']}; {first['timed_steps']} timed steps after {first['warmup_steps']} "
+        f"run {first['run_id']}; {first['timed_steps']} timed steps after {first['warmup_steps']} "
         f"discarded; model width {first['unet_width']}, depth {first['unet_depth']}, {first['crop']}^3 crops, "
         f"{first['train_flops_per_sample'] / 1e9:.2f} GFLOP per training sample (counted from the model).",
         "",
@@ -151,20 +152,20 @@ def _save(fig: Any, device: str, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--plots", type=Path, default=PLOTS)
-    parser.add_argument("--readme", type=Path, default=REPO / "README.md")
+    parser = ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=existing_file, default=RESULTS, help="records of bench.train (JSON lines)")
+    parser.add_argument("--plots", type=output_dir, default=PLOTS, help="directory for the plots")
+    parser.add_argument("--doc", type=existing_file, default=DOC, help="markdown page whose table to regenerate")
     args = parser.parse_args(argv)
     records = read_records(args.results)
     sections = []
     for device, rows in sorted(newest_runs(records).items()):
         written = plots(device, rows, args.plots)
-        figures = " ".join(f"![{p.stem}]({p.relative_to(args.readme.parent)})" for p in written)
+        figures = " ".join(f"![{p.stem}]({os.path.relpath(p, args.doc.parent)})" for p in written)
         sections.append(table(device, rows) + "\n\n" + figures)
     text = "\n\n".join(sections)
     print(text)
-    update_readme(args.readme, text, name="train")
+    update_doc(args.doc, text, name="train")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ bench/results/soak.jsonl: RSS medians early and late, and the slope over the sec
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import statistics
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.env import REPO, append_records, environment, read_records
+from pipeline.cli import ArgumentParser, existing_dir, output_file
 
 RESULTS = REPO / "bench" / "results" / "soak.jsonl"
 
@@ -48,12 +48,12 @@ def memory_trend(run_dir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--config", default="debug")
-    parser.add_argument("--report", type=Path, help="only report on this existing run directory")
+    parser.add_argument("--report", type=existing_dir, help="only report on this existing run directory")
     parser.add_argument("--commit", help="the commit the reported run was made with, where its config.json does not say")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     args = parser.parse_args(argv)
     if args.minutes <= 0:
         parser.error(f"--minutes must be positive, got {args.minutes}")

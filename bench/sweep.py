@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from deepspeed.runtime.config import DeepSpeedConfig
 
 from bench.env import REPO
 from bench.train import RESULTS, parse_args
+from pipeline.cli import ArgumentParser, output_file
 from pipeline.loaders import crop_backend, dali_installed
 from trainer.config import ConfigError, parse_value
 from trainer.engine import load_ds_template, merge_settings, plan_batches, resolve_ds_config
@@ -119,7 +119,7 @@ def gpu_speed(max_ranks: int) -> tuple[list[str], list[Case]]:
     headline = [case(p, what, switches) for p in ("fp16", "bf16")
                 for what, switches in (("plain path", []), ("all fast paths", every))]  # fmt: skip
     single = [case(p, f"+ {name}", switch) for p in ("fp16", "bf16") for name, switch in FAST_PATHS.items()]
-    # The headline cases of both precisions first: a run cut short (a GPU lent for minutes) still has them.
+    # The headline cases of both precisions first: a run cut short (a time-limited allocation) still has them.
     return base, headline + single + [case("fp16", what, switches) for what, switches in TRIED_LAST.items()]
 
 
@@ -187,10 +187,12 @@ def train_options(base: list[str], case: Case, args: argparse.Namespace, run_id:
 
 def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, device_type: str) -> list[tuple]:
     """Every case makes a valid run on ``device_type`` (its options, its batches over its ranks, its DeepSpeed
-    JSON, DALI where its crops need it), checked before the first one starts: a GPU's time is short.
+    JSON, DALI where its crops need it), checked before the first one starts, so that a typo costs seconds, not an allocation.
 
     Returns (bench.train's options, config, resolved DeepSpeed config) per case; exits on the first bad one.
     """
+    from deepspeed.runtime.config import DeepSpeedConfig  # imported here, after trainer has named the accelerator
+
     checked = []
     for case in cases:
         try:
@@ -212,7 +214,7 @@ def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, de
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smoke")
     parser.add_argument("--max_ranks", type=int, default=2 if not torch.cuda.is_available() else torch.cuda.device_count())
     parser.add_argument("--launcher", choices=["deepspeed", "srun"], default="deepspeed")
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="*", help="run only these sweeps (the records' sweep names: baseline, speed, "
                         "weak, weak-zero2, zero2-settings...)")  # fmt: skip
     parser.add_argument("--scaling_repeats", type=int, default=3, help="runs of each scaling case; the median counts")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     parser.add_argument("--no_report", action="store_true")
     args, rest = parser.parse_known_args(argv)
     args.train_options = rest  # options of bench.train for every case (--backend torch, say)

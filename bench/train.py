@@ -35,7 +35,8 @@ import torch.distributed as torch_dist
 from bench.env import REPO, append_records, environment
 from bench.flops import model_flops, utilization
 from model import UNet, unet_loss
-from trainer.config import Config, add_config_options, build_config, load_named, parse_config_options
+from pipeline.cli import output_file
+from trainer.config import Config, add_config_options, build_config, config_parser, load_named, parse_config_options
 from trainer.dist import DistEnv
 from trainer.engine import precision_name
 from trainer.trainer import USER_ERRORS, Trainer, forward_loss, init_distributed, prepare_data
@@ -249,7 +250,7 @@ class Case:
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     """The harness's own options, and the training config from the config options."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = config_parser("python -m bench.train", __doc__.split("\n\n")[0], sys.argv[1:] if argv is None else argv)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["synthetic"])
     parser.add_argument("--warmup", type=int, default=3, help="optimizer steps discarded before timing")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps timed per round")
@@ -259,7 +260,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument("--run_id", default=time.strftime("%Y%m%dT%H%M%S"), help="groups the records of one sweep run")
     parser.add_argument("--case", default="", help="label of this case within its sweep")
     parser.add_argument("--repeat", type=int, default=0, help="which run of a repeated case this is")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     add_config_options(parser)
     args, overrides = parse_config_options(parser, argv)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from model.unet import UNet
+from pipeline.cli import ArgumentParser, existing_dir, output_file
 from pipeline.files import written_atomically
 
 
@@ -134,15 +135,13 @@ def from_weights(path: Path) -> Emulator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Export a run's checkpoint as one weights file, loadable without DeepSpeed.")
-    parser.add_argument("--run_dir", type=Path, help="run directory (default: the newest under runs/ with a checkpoint)")
+    parser = ArgumentParser(prog="python -m model.export", description="Export a run's checkpoint as one weights file, loadable without DeepSpeed.")
+    parser.add_argument("--run_dir", type=existing_dir, help="run directory (default: the newest under runs/ with a checkpoint)")
     parser.add_argument("--tag", help="checkpoint tag (default: the latest)")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=output_file, required=True, help="the file to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     try:
-        if args.out.is_dir():
-            raise EmulatorError(f"{args.out} is a directory: --out names the file to write")
         if args.out.exists() and not args.overwrite:
             raise EmulatorError(f"{args.out} exists: --overwrite replaces it, or choose another --out")
         emulator = from_run_dir(args.run_dir or latest_run(), args.tag)

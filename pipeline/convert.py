@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.cli import ArgumentParser, existing_file, output_file
 from pipeline.files import written_atomically
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
 
@@ -43,16 +44,16 @@ def convert(h5_path: Path, out_prefix: Path, layout: str, overwrite: bool = Fals
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("h5_path", type=Path)
-    parser.add_argument("--out_prefix", type=Path, required=True, help="writes <prefix>_data.npy and <prefix>_label.npy")
+    parser = ArgumentParser(prog="python -m pipeline.convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("h5_path", type=existing_file, help="HDF5 file with Nbody and Hydro datasets")
+    parser.add_argument("--out_prefix", type=output_file, required=True, help="writes <prefix>_data.npy and <prefix>_label.npy")
     parser.add_argument("--layout", choices=["CDHW", "DHWC"], default="CDHW")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     args = parser.parse_args(argv)
     try:
         written = convert(args.h5_path, args.out_prefix, args.layout, args.overwrite)
     except DataError as err:
-        parser.exit(2, f"error: {err}\n")
+        parser.error(str(err))
     for path in written:
         print(f"wrote {path}")
 

@@ -18,7 +18,6 @@ so boxes of different sizes and seeds share one normalization.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -30,6 +29,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from pipeline.cli import ArgumentParser, output_dir
 from pipeline.files import written_atomically
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, LOG_DENSITY_SCALE, NBODY_CHANNELS, NBODY_DATASET
 from pipeline.volumes import DataError
@@ -197,8 +197,8 @@ def ensure_box(path: Path, spec: SyntheticSpec, which: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out_dir", type=Path, default=Path("data/synthetic"), help="writes train.h5 and val.h5 here")
+    parser = ArgumentParser(prog="python -m pipeline.synthetic", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out_dir", type=output_dir, default=Path("data/synthetic"), help="writes train.h5 and val.h5 here")
     for f in dataclasses.fields(SyntheticSpec):
         parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=f.metadata["help"])
     args = parser.parse_args(argv)

@@ -4,8 +4,7 @@ import json
 
 import numpy as np
 
-from bench.env import REPO
-from bench.pipeline import AUG, ReferenceStyleCrops, _latest_run, _time_batches, table, update_readme
+from bench.pipeline import AUG, DOC, ReferenceStyleCrops, _latest_run, _time_batches, table, update_doc
 from bench.pipeline import main as pipeline_main
 from pipeline.sampling import DrawPlan
 from pipeline.volumes import VolumeFiles, VolumePair
@@ -48,23 +47,23 @@ def test_table_uses_the_newest_run_and_ratios_to_its_baseline(tmp_path):
                _record("baseline", 50.0, "2026-02-01"), _record("dali-host", 80.0, "2026-02-01")]  # fmt: skip
     text = table(_latest_run(records))
     assert "| 64^3 | dali-host | 80.0 | 79 - 81 | 1.60x |" in text and "99.0" not in text
-    readme = tmp_path / "README.md"
-    readme.write_text("a\n<!-- bench:pipeline:start -->\nold\n<!-- bench:pipeline:end -->\nb\n")
-    update_readme(readme, text)
-    content = readme.read_text()
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("a\n<!-- bench:pipeline:start -->\nold\n<!-- bench:pipeline:end -->\nb\n")
+    update_doc(doc, text)
+    content = doc.read_text()
     assert "old" not in content and "1.60x" in content and content.startswith("a\n") and content.endswith("b\n")
     json.dumps(records)  # records stay plain JSON
 
 
-def test_a_run_with_its_own_results_file_leaves_the_readme_alone(tiny_data, tmp_path, capsys):
-    readme = (REPO / "README.md").read_bytes()
+def test_a_run_with_its_own_results_file_leaves_the_docs_alone(tiny_data, tmp_path, capsys):
+    page = DOC.read_bytes()
     out = tmp_path / "pipeline.jsonl"
     pipeline_main(["--data", str(tiny_data["train"]), "--crops", "8", "--batch", "4", "--threads", "1", "--warmup", "1",
                    "--batches", "2", "--repeats", "1", "--no_dali", "--out", str(out)])  # fmt: skip
     assert {r["case"] for r in map(json.loads, out.read_text().splitlines())} >= {"baseline", "torch-host"}
-    assert (REPO / "README.md").read_bytes() == readme
-    assert f"README not updated: --report --out {out} puts this table there" in capsys.readouterr().out
-    copy = tmp_path / "README.md"
+    assert DOC.read_bytes() == page
+    assert f"docs/benchmarks.md not updated: --report --out {out} puts this table there" in capsys.readouterr().out
+    copy = tmp_path / "page.md"
     copy.write_text("<!-- bench:pipeline:start -->\n<!-- bench:pipeline:end -->\n")
-    pipeline_main(["--report", "--out", str(out), "--readme", str(copy)])
+    pipeline_main(["--report", "--out", str(out), "--doc", str(copy)])
     assert "| 8^3 | torch-host |" in copy.read_text()

@@ -156,10 +156,10 @@ def test_report_takes_the_newest_run_and_derives_ratios(tmp_path):
     assert scaling(rows, "weak") == [(1, 10.0, 1.0), (2, 16.0, 0.8)]
     results = tmp_path / "train.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in records))
-    readme = tmp_path / "README.md"
-    readme.write_text("x\n<!-- bench:train:start -->\n<!-- bench:train:end -->\n")
-    report_main(["--results", str(results), "--plots", str(tmp_path), "--readme", str(readme)])
-    text = readme.read_text()
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("x\n<!-- bench:train:start -->\n<!-- bench:train:end -->\n")
+    report_main(["--results", str(results), "--plots", str(tmp_path), "--doc", str(doc)])
+    text = doc.read_text()
     assert "engine step / plain PyTorch step (fp32, same model and batch): **1.250**" in text
     assert "weak scaling efficiency, DeepSpeed (median samples/s over repeated runs): 2 ranks **0.80**" in text
     for png in ("scaling_cpu.png", "steps_cpu.png"):
@@ -223,7 +223,7 @@ def test_the_users_deepspeed_overrides_merge_with_a_cases_own(tmp_path, monkeypa
 
 
 def test_results_cut_short_keep_their_whole_records_and_a_missing_file_is_one_line(tmp_path, capsys):
-    """A GPU session's timeout can kill a benchmark while it writes its last record."""
+    """A time-limited benchmark run's timeout can kill it while it writes its last record."""
     path = tmp_path / "train.jsonl"
     whole = [_record(run_id="1"), _record(run_id="1", mode="plain")]
     path.write_text("".join(json.dumps(r) + "\n" for r in whole) + json.dumps(_record())[:40])
@@ -233,7 +233,8 @@ def test_results_cut_short_keep_their_whole_records_and_a_missing_file_is_one_li
     append_records(path, [after])  # the next run's record starts a line of its own, after the fragment
     assert read_records(path) == [*whole, after]
     (tmp_path / "empty.jsonl").write_text("\n")
-    for name, message in [("none.jsonl", "no such results file"), ("empty.jsonl", "no records")]:
+    for name, message in [("none.jsonl", "no such file {}"), ("empty.jsonl", "{}: no records")]:
         with pytest.raises(SystemExit) as exit_:
             report_main(["--results", str(tmp_path / name)])
-        assert exit_.value.code == 2 and f"error: {tmp_path / name}: {message}" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "error: " in err and message.format(tmp_path / name) in err

@@ -78,3 +78,20 @@ def test_rotate_volume_is_a_group_action():
 def test_bad_vector_groups_are_named(groups, message):
     with pytest.raises(ValueError, match=message):
         check_vector_groups(groups, 6)
+
+
+def test_files_stored_in_zyx_order_declare_their_vectors_reversed():
+    """A box stored with its spatial axes in (z, y, x) order and channels [rho, vx, vy, vz] has vz along array axis 1:
+    input_vectors [[3, 2, 1]] turns its velocities exactly as [[1, 2, 3]] turns the same box stored in (x, y, z)."""
+    rng = np.random.default_rng(1)
+    xyz = rng.normal(size=(4, 6, 6, 6)).astype(np.float32)
+    zyx = np.ascontiguousarray(xyz.transpose(0, 3, 2, 1))  # the same fields, spatial axes reversed
+    swap = np.array([[0, 0, 1], [0, 1, 0], [1, 0, 0]])  # x <-> z: the same rotation seen in the other array order
+    wrong = 0
+    for rot in ROTATIONS:
+        seen_zyx = rotation_from_matrix(swap @ rot.matrix @ swap)
+        expected = rotate_volume(xyz, rot, [[1, 2, 3]]).transpose(0, 3, 2, 1)
+        assert np.array_equal(rotate_volume(zyx, seen_zyx, [[3, 2, 1]]), expected)
+        wrong += not np.array_equal(rotate_volume(zyx, seen_zyx, [[1, 2, 3]]), expected)
+    # Declared in (x, y, z) order, they turn wrongly under every rotation but the 4 that commute with the swap.
+    assert wrong == 24 - sum(np.array_equal(swap @ r.matrix, r.matrix @ swap) for r in ROTATIONS) == 20

@@ -17,15 +17,19 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
 
+from pipeline.cli import ArgumentParser, existing_file
 from pipeline.rotations import check_vector_groups
 from pipeline.synthetic import SyntheticSpec
+
+
+DEFAULT_YAML = Path("ds_configs/UNet.yaml")
 
 
 class ConfigError(ValueError):
@@ -59,6 +63,7 @@ class WeightInit:
 
 @dataclass
 class Config:
+    description: str = _field("", "one line saying what a named config is for (--help lists them)")
     # Data
     train_path: str = _field("/data/downsamp_2048crop_train.h5", "HDF5 file with the training box")
     val_path: str = _field("/data/downsamp_1024crop_valid.h5", "HDF5 file with the validation box")
@@ -88,8 +93,12 @@ class Config:
     )
     N_in_channels: int = _field(4, "input channels (dark-matter density, vx, vy, vz)")
     N_out_channels: int = _field(5, "output channels (gas density, vx, vy, vz, temperature)")
-    input_vectors: list[list[int]] = _field([[1, 2, 3]], "input channels that form vectors (components along x, y, z)")
-    target_vectors: list[list[int]] = _field([[1, 2, 3]], "target channels that form vectors")
+    input_vectors: list[list[int]] = _field(
+        [[1, 2, 3]],
+        "input channels that form vectors, each listed as its components along array axes 1, 2, 3 (the reference's "
+        "files store x, y, z in that order; a (z, y, x) file with channels [rho, vx, vy, vz] is [[3, 2, 1]])",
+    )
+    target_vectors: list[list[int]] = _field([[1, 2, 3]], "target channels that form vectors, as input_vectors")
     rotate: bool = _field(True, "apply one of the 24 rotations of the cube to each training sample")
     num_data_workers: int = _field(2, "threads per rank cutting crops on the CPU")
     data_prefetch: int = _field(2, "batches cut ahead of the one being trained on")
@@ -192,7 +201,8 @@ class Config:
 # Reference keys that we spell differently, so that its users learn where their knob went.
 RENAMED = {
     "full_scale": "unet_depth (6 = full_scale: True, 5 = full_scale: False)",
-    "enable_amp": "precision is set in the DeepSpeed JSON (deepspeed_config)",
+    "enable_amp": "precision is set by the DeepSpeed JSON (deepspeed_config): ds_configs/ds_fp32.json is enable_amp: "
+    "False, ds_configs/ds_fp16.json (or ds_bf16.json) enable_amp: True",
     "enable_apex": "the optimizer is set in the DeepSpeed JSON (deepspeed_config)",
     "enable_jit": "no JIT switch yet",
     "data_loader_config": "storage (inmem = host, lowmem = lazy) and backend (dali or torch)",
@@ -267,38 +277,91 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     return cls(**{key: _convert(value, hints[key], prefix + key) for key, value in data.items()})
 
 
-def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, str]:
-    """Dotted key -> help, for every overridable field (nested dataclasses expanded, and themselves)."""
-    keys: dict[str, str] = {}
+def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, Any]]:
+    """Dotted key -> (help, default), for every overridable field (nested dataclasses expanded, and themselves)."""
+    keys: dict[str, tuple[str, Any]] = {}
     hints = typing.get_type_hints(cls)
+    defaults = cls()
     for f in dataclasses.fields(cls):
         key = prefix + f.name
-        keys[key] = f.metadata.get("help", "")
+        keys[key] = (f.metadata.get("help", ""), getattr(defaults, f.name))
         inner = [h for h in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(h)]
         if inner:
             keys.update(leaf_keys(inner[0], key + "."))
     return keys
 
 
+def _as_yaml(value: Any) -> str:
+    """A default as it would be written in the YAML file: null, [[1, 2, 3]], {scaling: sqrt, ...}."""
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip().removesuffix("\n...").strip()
+
+
+def named_configs(path: Path) -> list[tuple[str, str]]:
+    """(name, description) of every named config in the YAML file ``path``; ConfigError if it cannot be read."""
+    try:
+        document = yaml.load(path.read_text(), _Loader)
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path} must map config names to configs")
+    return [(name, str(body.get("description", "")) if isinstance(body, dict) else "") for name, body in document.items()]
+
+
+def _yaml_config_in(argv: Sequence[str]) -> Path:
+    """The --yaml_config the command line names, for --help's list of named configs, before parsing it."""
+    for i, arg in enumerate(argv):
+        if arg == "--yaml_config" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if arg.startswith("--yaml_config="):
+            return Path(arg.split("=", 1)[1])
+    return DEFAULT_YAML
+
+
+def configs_epilog(argv: Sequence[str]) -> str:
+    """--help's closing list of the named configs, each with its description."""
+    path = _yaml_config_in(argv)
+    try:
+        named = named_configs(path)
+    except ConfigError as err:
+        return f"named configs: {err}"
+    width = max(len(name) for name, _ in named) if named else 0
+    lines = [f"  {name:<{width}}  {description}".rstrip() for name, description in named]
+    return f"named configs in {path} (--config NAME):\n" + "\n".join(lines)
+
+
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     """Every config key as an option ``--key VALUE`` (dotted for nested keys), plus --config/--yaml_config."""
     parser.add_argument("--config", default="debug", help="name of the config in --yaml_config (default: debug)")
-    parser.add_argument("--yaml_config", type=Path, default=Path("ds_configs/UNet.yaml"), help="file of named configs")
-    group = parser.add_argument_group("config keys (override the YAML)")
-    for key, help_text in leaf_keys(Config).items():
-        group.add_argument(f"--{key}", dest=f"set:{key}", metavar="VALUE", default=argparse.SUPPRESS, help=help_text)
+    parser.add_argument("--yaml_config", type=existing_file, default=DEFAULT_YAML,
+                        help=f"file of named configs (default: {DEFAULT_YAML})")  # fmt: skip
+    group = parser.add_argument_group(
+        "config keys", "override the named config; the defaults shown are those of keys a named config does not set"
+    )
+    for key, (help_text, default) in leaf_keys(Config).items():
+        group.add_argument(f"--{key}", dest=f"set:{key}", metavar="VALUE", default=argparse.SUPPRESS,
+                           help=f"{help_text} (default: {_as_yaml(default)})".replace("%", "%%"))  # fmt: skip
+
+
+def config_parser(prog: str, description: str, argv: Sequence[str], usage: str | None = None) -> ArgumentParser:
+    """A command's parser for the config options: one-line errors, the reference's renamed options hinted, and
+    --help closing with the named configs."""
+    return ArgumentParser(
+        prog=prog,
+        description=description,
+        usage=usage,
+        epilog=configs_epilog(argv),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        renamed=RENAMED,
+    )
 
 
 def parse_config_options(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
-    """Parse, with unknown options named (and the closest known one suggested); the config overrides apart."""
-    args, unknown = parser.parse_known_args(argv)
-    known = [a.lstrip("-") for action in parser._actions for a in action.option_strings]
-    for arg in unknown:
-        if arg.startswith("--"):
-            flag = arg[2:].split("=", 1)[0]
-            close = difflib.get_close_matches(flag, known, n=1)
-            parser.error(f"unknown option --{flag}" + (f" (did you mean --{close[0]}?)" if close else ""))
-        parser.error(f"unexpected argument {arg!r}")
+    """Parse; the config overrides apart (dotted key -> raw value)."""
+    args = parser.parse_args(argv)
     overrides = {dest[4:]: value for dest, value in vars(args).items() if dest.startswith("set:")}
     return args, overrides
 
@@ -370,6 +433,10 @@ def build_config(base: dict[str, Any], overrides: dict[str, str]) -> Config:
     for key in PATH_KEYS:
         setattr(cfg, key, expand_path(key, getattr(cfg, key)))
     cfg.validate()
+    data_keys = PATH_KEYS[:2] if cfg.data_format == "hdf5" else PATH_KEYS[2:6]
+    for key in (*data_keys, "deepspeed_config"):
+        if Path(getattr(cfg, key)).is_dir():
+            raise ConfigError(f"{key} {getattr(cfg, key)} is a directory, not a file")
     return cfg
 
 
@@ -380,7 +447,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 # What a resumed run may change without changing what it learns: where data and logs go, how fast
 # the input pipeline runs, how often it logs and checks. Anything else changes the training.
 RESUMABLE = {
-    "train_path", "val_path", "train_path_npy_data", "train_path_npy_label", "val_path_npy_data",
+    "description", "train_path", "val_path", "train_path_npy_data", "train_path_npy_label", "val_path_npy_data",
     "val_path_npy_label", "storage", "device_storage_dtype", "backend", "num_data_workers", "data_prefetch",
     "log_every_steps", "checkpoint_keep", "cpu_threads", "dist_timeout_s", "nonfinite_loss",
     "max_nonfinite_in_a_row", "data_checks", "science_every_epochs", "science_box_size", "channels_last",

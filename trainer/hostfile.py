@@ -11,6 +11,8 @@ import re
 import sys
 from pathlib import Path
 
+from pipeline.cli import ArgumentParser, existing_file
+
 _LINE = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9._-]*)\s+slots=(?P<slots>\d+)$")
 
 
@@ -44,16 +46,14 @@ def parse_hostfile(path: str | Path) -> list[tuple[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m trainer.hostfile HOSTFILE", file=sys.stderr)
-        return 2
+    parser = ArgumentParser(prog="python -m trainer.hostfile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("hostfile", type=existing_file)
+    path = parser.parse_args(argv).hostfile
     try:
-        hosts = parse_hostfile(args[0])
+        hosts = parse_hostfile(path)
     except HostfileError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"{args[0]}: {len(hosts)} host(s), {sum(s for _, s in hosts)} rank(s): " + ", ".join(f"{h}x{s}" for h, s in hosts))
+        parser.error(str(err))
+    print(f"{path}: {len(hosts)} host(s), {sum(s for _, s in hosts)} rank(s): " + ", ".join(f"{h}x{s}" for h, s in hosts))
     return 0
 
 

@@ -127,6 +127,17 @@ def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int, cuda_vi
     return local_rank
 
 
+def announce_cpu_comm_build() -> None:
+    """On CPUs DeepSpeed compiles its shared-memory communication op the first time a process starts, silently for
+    about 40 s, and caches it; say so before that silence."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
+    build = Path(_get_build_directory(name, verbose=False))
+    if not (build / f"{name}.so").exists():
+        log.info("building DeepSpeed's CPU communication op, once (about 40 s; cached in %s)", build)
+
+
 def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     """Start torch.distributed (NCCL on GPUs, gloo on CPUs) and pick this rank's device.
 
@@ -141,6 +152,8 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
                           os.environ.get("CUDA_VISIBLE_DEVICES"))  # fmt: skip
         torch.cuda.set_device(index)
         os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed takes its device from LOCAL_RANK
+    elif dist.is_main:
+        announce_cpu_comm_build()
     deepspeed.init_distributed(
         dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
     )
