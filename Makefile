@@ -1,23 +1,26 @@
-# make train: set up .venv and train the built-in debug config (synthetic data, CPU if no GPU)
-# make test:  set up .venv and run the test suite
-# make data:  write the synthetic train/val boxes to data/synthetic/ (the trainer also does it on first use)
+# make train:       set up .venv and train the built-in debug config (synthetic data, CPU if no GPU)
+# make test:        set up .venv and run the test suite
+# make data:        write the synthetic train/val boxes to data/synthetic/ (the trainer also does it on first use)
+# make tensorboard: serve the runs' TensorBoard events (RUNS=runs, PORT=6006)
 #
-# TORCH_INDEX=https://download.pytorch.org/whl/cpu  installs torch's CPU build from PyTorch's index
-# (for CPU machines whose pip would otherwise fetch the multi-GB CUDA build).
+# torch is installed first, on its own (tools/install_torch.py): the CUDA build where an NVIDIA GPU is present,
+# else the CPU build from PyTorch's CPU index (the default index where that cannot be reached).
+# TORCH_INDEX=URL installs torch from that index whatever the machine has.
 
 PYTHON ?= python3
 VENV ?= .venv
-TORCH_INDEX ?=
+RUNS ?= runs
+PORT ?= 6006
 BIN := $(VENV)/bin
 TORCH_PIN := $(shell grep -E '^torch==' requirements.txt)
 
-.PHONY: setup train test data
+.PHONY: setup train test data tensorboard
 setup: $(VENV)/.installed
 
 # torch goes in first and alone, so that nothing resolves it to another build.
-$(VENV)/.installed: requirements.txt requirements-dev.txt constraints.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt constraints.txt tools/install_torch.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH_PIN) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python tools/install_torch.py $(TORCH_PIN)
 	$(BIN)/pip install --quiet -c constraints.txt -r requirements-dev.txt
 	touch $@
 
@@ -29,3 +32,6 @@ test: setup
 
 data: setup
 	$(BIN)/python -m pipeline.synthetic --out_dir data/synthetic
+
+tensorboard: setup
+	$(BIN)/tensorboard --logdir $(RUNS) --port $(PORT)
