@@ -7,62 +7,104 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.layout import HYDRO_CHANNELS
+from pipeline.layout import HYDRO_CHANNELS, LOG_DENSITY_SCALE, NBODY_CHANNELS
 
 
-def slices(inputs: np.ndarray, true: np.ndarray, pred: np.ndarray, path: Path) -> Path:
-    """Central slices: the input dark-matter density, then true, predicted and residual for each output channel."""
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def channel_units(name: str, temperature_log_range: float | None) -> str:
+    """How a channel's values read, in the normalized units the network works in."""
+    if name.endswith("density"):
+        return f"log(rho) / {LOG_DENSITY_SCALE:g}, normalized"
+    if name.startswith("v"):
+        return f"{name}, normalized"
+    if temperature_log_range:
+        return f"log10(T / T0) / {temperature_log_range:g}, normalized"
+    return "temperature, normalized (the file gives no scale)"
+
+
+def slices(inputs: np.ndarray, true: np.ndarray, pred: np.ndarray, path: Path,
+           temperature_log_range: float | None = None) -> Path:  # fmt: skip
+    """Central slices, a row per output channel: the matching input channel (dark-matter density or velocity; none
+    for temperature), then true, predicted and predicted - true. Every colorbar names its quantity and units."""
+    plt = _pyplot()
     mid = inputs.shape[1] // 2
-    fig, axes = plt.subplots(len(HYDRO_CHANNELS), 4, figsize=(11, 2.6 * len(HYDRO_CHANNELS)), squeeze=False)
+    rows = len(HYDRO_CHANNELS)
+    fig, axes = plt.subplots(rows, 4, figsize=(15, 2.9 * rows), squeeze=False)
     for row, name in enumerate(HYDRO_CHANNELS):
+        units = channel_units(name, temperature_log_range)
         lo, hi = np.percentile(true[row, mid], [1, 99])
         residual = pred[row, mid] - true[row, mid]
         bound = max(abs(np.percentile(residual, 1)), abs(np.percentile(residual, 99)), 1e-6)
-        panels = [
-            (inputs[0, mid], "input: dark-matter density", "viridis", None),
-            (true[row, mid], f"true {name}", "magma", (lo, hi)),
-            (pred[row, mid], f"predicted {name}", "magma", (lo, hi)),
-            (residual, "predicted - true", "RdBu_r", (-bound, bound)),
-        ]
-        for ax, (image, title, cmap, limits) in zip(axes[row], panels):
-            shown = ax.imshow(image, cmap=cmap, origin="lower", **({} if limits is None else dict(vmin=limits[0], vmax=limits[1])))
-            ax.set_title(title, fontsize=9)
+        source = NBODY_CHANNELS.index(name) if name in NBODY_CHANNELS else 0 if name == "gas_density" else None
+        panels: list[tuple | None] = [
+            None if source is None else
+            (inputs[source, mid], f"input: dark matter {NBODY_CHANNELS[source].replace('dm_', '')}", "viridis", None,
+             channel_units(NBODY_CHANNELS[source], None)),
+            (true[row, mid], f"true gas {name.replace('gas_', '')}", "magma", (lo, hi), units),
+            (pred[row, mid], f"predicted gas {name.replace('gas_', '')}", "magma", (lo, hi), units),
+            (residual, "predicted - true", "RdBu_r", (-bound, bound), f"difference in {units}"),
+        ]  # fmt: skip
+        for ax, panel in zip(axes[row], panels):
             ax.set_xticks([])
             ax.set_yticks([])
-            fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02)
-    fig.tight_layout()
+            if panel is None:
+                ax.set_axis_off()
+                continue
+            image, title, cmap, limits, label = panel
+            shown = ax.imshow(image, cmap=cmap, origin="lower", **({} if limits is None else dict(vmin=limits[0], vmax=limits[1])))
+            ax.set_title(title, fontsize=9)
+            fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).set_label(label, fontsize=8)
+    fig.suptitle(f"central slices (array axis 1 at {mid} of {inputs.shape[1]})", fontsize=10)
+    fig.tight_layout(w_pad=2.5)
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
 
 
+def _limits(values: list[np.ndarray], floor: float, ceiling: float, margin: float) -> tuple[float, float]:
+    """An axis range around 1 that holds ``values`` (large and intermediate scales) and at least [floor, ceiling]."""
+    finite = np.concatenate(values)
+    finite = finite[np.isfinite(finite)]
+    lo = min(floor, float(finite.min()) - margin) if finite.size else floor
+    hi = max(ceiling, float(finite.max()) + margin) if finite.size else ceiling
+    return lo, hi
+
+
 def spectra(metrics: dict[str, Any], path: Path) -> Path:
-    """P_pred / P_true and r(k) for gas density and temperature."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for field in ("gas_density", "temperature"):
-        k = metrics[field]["k"]
-        left.plot(k, metrics[field]["power_ratio"], marker=".", label=field.replace("_", " "))
-        right.plot(k, metrics[field]["r"], marker=".", label=field.replace("_", " "))
-    left.axhline(1.0, color="gray", linestyle=":")
-    right.axhline(1.0, color="gray", linestyle=":")
-    # log y: where the truth is smooth its power falls towards zero and the ratio can grow by decades
-    left.set(xscale="log", yscale="log", xlabel="k (units of the fundamental mode 2 pi / L)", ylabel="P_pred / P_true",
-             title="Power spectrum ratio")  # fmt: skip
-    right.set(xscale="log", xlabel="k (units of the fundamental mode 2 pi / L)", ylabel="r(k)", title="Cross-correlation",
-              ylim=(min(0.0, min(min(metrics[f]["r"]) for f in ("gas_density", "temperature"))), 1.05))  # fmt: skip
-    for ax in (left, right):
+    """P_pred / P_true and r(k) for gas density and temperature, on linear axes scaled to the large and intermediate
+    scales, so that deviations of a few percent show; the named k ranges are shaded, and values beyond the axis
+    (small scales, where a smooth truth has almost no power) are drawn at its edge."""
+    plt = _pyplot()
+    ranges = metrics["k_ranges"]
+    fields = ("gas_density", "temperature")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    upto = ranges.get("intermediate", ranges["large_scales"])[1]  # the k the axes are scaled to
+    for ax, stat, floor, ceiling, cap in ((left, "power_ratio", 0.9, 1.1, 3.0), (right, "r", 0.9, 1.0, 1.05)):
+        k = np.asarray(metrics[fields[0]]["k"])
+        shown = [np.asarray(metrics[f][stat])[k <= upto] for f in fields]
+        lo, hi = _limits(shown, floor, ceiling, 0.02)
+        lo, hi = max(lo, 0.0 if stat == "power_ratio" else -1.0), min(hi, cap)
+        for field in fields:
+            values = np.asarray(metrics[field][stat], dtype=float)
+            ax.plot(k, np.clip(values, lo, hi), marker=".", label=field.replace("_", " "))
+        for i, (name, (k_lo, k_hi)) in enumerate(ranges.items()):
+            ax.axvspan(k_lo - 0.5, k_hi + 0.5, color="0.5", alpha=0.08 * (i % 2 + 1), lw=0)
+            ax.text(np.sqrt(max(k_lo - 0.5, 0.5) * (k_hi + 0.5)), lo + 0.02 * (hi - lo), name.replace("_", " "),
+                    ha="center", fontsize=7, color="0.3")  # fmt: skip
+        ax.axhline(1.0, color="gray", linestyle=":")
+        ax.set(xscale="log", ylim=(lo, hi), xlabel="k (units of the fundamental mode 2 pi / L)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
+    left.set(ylabel="P_pred(k) / P_true(k)", title="Power spectrum ratio (clipped at the axis)")
+    right.set(ylabel="r(k) = P_x / sqrt(P_pred P_true)", title="Cross-correlation (clipped at the axis)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -5,7 +5,9 @@
   ratio P_pred(k) / P_true(k) and the cross-correlation coefficient r(k) = P_x / sqrt(P_pred P_true),
   in shells of |k| (k in units of the box's fundamental mode 2 pi / L, up to the Nyquist mode L/2);
 - the one-point PDF of log10 gas density;
-- the temperature-density relation: the median log10 T in bins of log10 density.
+- the temperature-density relation: the median log10 T in bins of log10 density;
+- summaries of P_pred / P_true and r(k): their medians over named ranges of k (``k_ranges``: large scales,
+  intermediate, small scales up to Nyquist), so that a few shells far off cannot hide a range's typical value.
 
 Power spectra are of the contrast f / mean(f) - 1 on the periodic grid, normalized per mode so that
 white noise of variance s^2 has P(k) = s^2 at every k.
@@ -127,10 +129,41 @@ def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int =
             medians[key].append(float(np.median(selected)) if selected.size else None)
     result["temperature_density"] = {"log10_density_edges": edges.tolist(), "median_log10_T_true": medians["true"],
                                      "median_log10_T_pred": medians["pred"]}  # fmt: skip
-    low_k = slice(0, max(1, len(result["gas_density"]["k"]) // 2))  # up to half the Nyquist mode
+    ranges = k_ranges(len(result["gas_density"]["k"]))
+    result["k_ranges"] = {name: [lo, hi] for name, (lo, hi) in ranges.items()}
     result["summary"] = {
-        f"{field}_{stat}_low_k": float(np.mean(result[field][stat][low_k]))
+        f"{field}_{stat}_{name}": float(np.median(result[field][stat][lo - 1 : hi]))
         for field in ("gas_density", "temperature")
         for stat in ("power_ratio", "r")
+        for name, (lo, hi) in ranges.items()
     }
     return result
+
+
+def k_ranges(nyquist: int) -> dict[str, tuple[int, int]]:
+    """The named ranges of k (inclusive, in units of the fundamental mode) that the summaries cover: large scales
+    up to an eighth of the Nyquist mode, intermediate up to half of it, small scales up to Nyquist."""
+    large = max(1, nyquist // 8)
+    intermediate = min(nyquist, max(large + 1, nyquist // 2))
+    ranges = {"large_scales": (1, large), "intermediate": (large + 1, intermediate),
+              "small_scales": (intermediate + 1, nyquist)}  # fmt: skip
+    return {name: (lo, hi) for name, (lo, hi) in ranges.items() if lo <= hi}
+
+
+def spectra_table(metrics: dict[str, Any], max_rows: int = 32) -> str:
+    """P_pred / P_true and r(k) per k for gas density and temperature, then the medians over the named ranges.
+    Boxes with more than ``max_rows`` shells show log-spaced k (metrics.json holds every k)."""
+    k = metrics["gas_density"]["k"]
+    shown = range(len(k)) if len(k) <= max_rows else sorted({int(round(i)) for i in np.geomspace(1, len(k), max_rows) - 1})
+    lines = [f"{'k':>5}  {'gas density P/P':>15}  {'r':>6}  {'temperature P/P':>15}  {'r':>6}"]
+    for i in shown:
+        row = [metrics[f][s][i] for f in ("gas_density", "temperature") for s in ("power_ratio", "r")]
+        lines.append(f"{k[i]:>5}  {row[0]:>15.3f}  {row[1]:>6.3f}  {row[2]:>15.3f}  {row[3]:>6.3f}")
+    if len(shown) < len(k):
+        lines.append(f"({len(shown)} of {len(k)} shells shown; metrics.json holds every k)")
+    lines.append("medians over k ranges (units of the fundamental mode 2 pi / L):")
+    for name, (lo, hi) in metrics["k_ranges"].items():
+        row = [metrics["summary"][f"{f}_{s}_{name}"] for f in ("gas_density", "temperature") for s in ("power_ratio", "r")]
+        label = f"{name.replace('_', ' ')} (k {lo}-{hi})"
+        lines.append(f"  {label:<28} gas density P/P {row[0]:.3f}, r {row[1]:.3f}; temperature P/P {row[2]:.3f}, r {row[3]:.3f}")
+    return "\n".join(lines)

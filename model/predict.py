@@ -25,8 +25,9 @@ import torch
 
 from model.emulator import Emulator, from_run_dir, from_weights, latest_run
 from model.figures import slices, spectra
-from model.metrics import Normalization, compare
+from model.metrics import Normalization, compare, spectra_table
 from model.tiling import accumulate
+from pipeline.cli import ArgumentParser, existing_dir, existing_file, output_dir
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, NBODY_DATASET
 from pipeline.volumes import DataError, _open_hdf5, _open_npy
 
@@ -84,25 +85,26 @@ def evaluate_file(prediction: Path, truth: Path, inputs: Path, out_dir: Path, la
     true = np.asarray(true_volume[...], dtype=np.float32)
     if true.shape != pred.shape:
         raise DataError(f"{truth}: true hydro {true.shape} and prediction {pred.shape} differ")
-    metrics = compare(pred, true, Normalization.from_attrs(attrs))
+    norm = Normalization.from_attrs(attrs)
+    metrics = compare(pred, true, norm)
     metrics["files"] = {"prediction": str(prediction), "truth": str(truth)}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     input_volume, _ = _open(inputs, NBODY_DATASET, layout)
-    slices(np.asarray(input_volume[...], dtype=np.float32), true, pred, out_dir / "slices.png")
+    slices(np.asarray(input_volume[...], dtype=np.float32), true, pred, out_dir / "slices.png", norm.temperature_log_range)
     spectra(metrics, out_dir / "spectra.png")
     return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m model.predict", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--run_dir", type=Path, help="run directory (default: the newest under runs/ with a checkpoint)")
-    source.add_argument("--weights", type=Path, help="an exported emulator (python -m model.export)")
+    source.add_argument("--run_dir", type=existing_dir, help="run directory (default: the newest under runs/ with a checkpoint)")
+    source.add_argument("--weights", type=existing_file, help="an exported emulator (python -m model.export)")
     parser.add_argument("--tag", help="checkpoint tag of --run_dir (default: the latest)")
-    parser.add_argument("--input", type=Path, required=True, help="HDF5 file with an Nbody dataset, or a .npy input volume")
+    parser.add_argument("--input", type=existing_file, required=True, help="HDF5 file with an Nbody dataset, or a .npy input volume")
     parser.add_argument("--npy_layout", choices=["CDHW", "DHWC"], default="CDHW")
-    parser.add_argument("--truth", type=Path, help="HDF5 file (Hydro) or .npy targets to compare with (default: the input file)")
-    parser.add_argument("--out", type=Path, help="output directory (default: <run_dir>/prediction)")
+    parser.add_argument("--truth", type=existing_file, help="HDF5 file (Hydro) or .npy targets to compare with (default: the input file)")
+    parser.add_argument("--out", type=output_dir, help="output directory (default: <run_dir>/prediction)")
     parser.add_argument("--overlap", type=int, help="voxels tiles overlap by (default: a quarter of the crop)")
     parser.add_argument("--batch", type=int, default=8, help="tiles per forward pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -124,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("%s holds no %s: no metrics", truth, HYDRO_DATASET)
                 return 0
             metrics = evaluate_file(prediction, truth, args.input, out_dir, args.npy_layout)
-            summary = ", ".join(f"{k} {v:.3f}" for k, v in metrics["summary"].items())
-            log.info("L1 %.5f (mean over channels); %s", metrics["l1_mean"], summary)
+            log.info("L1 %.5f (mean over channels, normalized units)", metrics["l1_mean"])
+            print(spectra_table(metrics), flush=True)
             log.info("wrote %s, %s, %s", out_dir / "metrics.json", out_dir / "slices.png", out_dir / "spectra.png")
     except (DataError, FileNotFoundError, ValueError) as err:
         log.error("%s", err)
