@@ -86,17 +86,32 @@ def test_tasks_per_node():
         tasks_on_node("4x2", 0)
 
 
+# srun --gpus-per-task 1: Slurm gives each task a GPU of its own and says so.
+GPU_PER_TASK = {"SLURM_GPUS_PER_TASK": "1", "SLURM_PROCID": "3", "CUDA_VISIBLE_DEVICES": "2"}
+
+
 @pytest.mark.parametrize(
     "local_rank, local_world_size, visible, env, index",
-    [(0, 1, 1, None, 0), (3, 4, 1, "2", 0), (3, 4, 4, None, 3), (1, 2, 8, "0,1,2,3,4,5,6,7", 1)],
-)  # one GPU per task (srun --gpus-per-task 1: CUDA_VISIBLE_DEVICES names one) is GPU 0
+    [(0, 1, 1, {}, 0), (3, 4, 1, GPU_PER_TASK, 0), (3, 4, 4, {}, 3),
+     (1, 2, 8, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 1)],
+)  # fmt: skip
 def test_each_rank_gets_its_own_gpu(local_rank, local_world_size, visible, env, index):
     assert gpu_index(local_rank, local_world_size, visible, env) == index
 
 
-@pytest.mark.parametrize("env", [None, "0,1"])  # deepspeed --num_gpus 2 on a node with one GPU: "0,1"
+@pytest.mark.parametrize("env", [{}, {"CUDA_VISIBLE_DEVICES": "0,1"}])  # deepspeed --num_gpus 4 on a node with 2 GPUs
 def test_ranks_that_would_share_a_gpu_are_an_error(env):
-    with pytest.raises(DistError, match="4 ranks on this node but 2 GPU\\(s\\) visible to each: run one rank per GPU"):
+    with pytest.raises(DistError, match="4 ranks on this node but 2 GPU\\(s\\) visible to each.*: run one rank per GPU"):
         gpu_index(3, 4, 2, env)
     with pytest.raises(DistError, match="2 ranks on this node but 1 GPU\\(s\\) visible to each"):
         gpu_index(1, 2, 1, env)
+
+
+def test_one_visible_gpu_exported_to_every_rank_is_not_a_gpu_per_task():
+    """CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node 2: each rank sees one GPU, the same one."""
+    with pytest.raises(DistError, match="2 ranks on this node but 1 GPU\\(s\\) visible to each "
+                                        "\\(CUDA_VISIBLE_DEVICES=0 for every rank\\).*--gpus-per-task 1"):  # fmt: skip
+        gpu_index(1, 2, 1, {"CUDA_VISIBLE_DEVICES": "0", "LOCAL_RANK": "1"})
+    # Inside an srun step without --gpus-per-task, the tasks of a node share what they see.
+    with pytest.raises(DistError, match="visible to each"):
+        gpu_index(1, 2, 1, {"CUDA_VISIBLE_DEVICES": "0", "SLURM_PROCID": "1"})

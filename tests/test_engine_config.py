@@ -1,11 +1,20 @@
 import json
 import logging
+import os
+import sys
 
 import pytest
 
 from tests.conftest import REPO
 from trainer.config import ConfigError
-from trainer.engine import BatchPlan, load_ds_template, plan_batches, resolve_ds_config
+from trainer.engine import (
+    TORCH_FUSED_ADAM,
+    BatchPlan,
+    fused_adam_problem,
+    load_ds_template,
+    plan_batches,
+    resolve_ds_config,
+)
 
 
 @pytest.mark.parametrize(
@@ -33,7 +42,10 @@ def test_shipped_configs_keep_the_recipe(name):
     assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (64, 16, 2)
     assert cfg["optimizer"]["type"] == "Adam" and cfg["optimizer"]["params"]["adam_w_mode"] is False
     assert cfg["optimizer"]["params"]["lr"] == 3e-4
-    assert "torch_adam" not in cfg["optimizer"]["params"]  # FusedAdam on GPUs
+    # DeepSpeed's FusedAdam on GPUs, torch's fused Adam where it cannot be built (this machine's torch may lack CUDA)
+    expected = {} if fused_adam_problem() is None else TORCH_FUSED_ADAM
+    assert {k: cfg["optimizer"]["params"].get(k) for k in expected} == expected
+    assert ("torch_adam" in cfg["optimizer"]["params"]) == bool(expected)
     assert cfg["gradient_clipping"] == 0.0
 
 
@@ -47,6 +59,46 @@ def test_fp16_on_cpu_becomes_fp32_with_a_warning(caplog):
     assert template["fp16"]["enabled"] is True  # the template is not modified
     gpu = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cuda")
     assert gpu["fp16"]["enabled"] is True
+
+
+def test_fused_adam_that_cannot_be_built_gives_way_to_torchs_with_one_warning(monkeypatch, tmp_path, caplog):
+    """No ninja anywhere (PATH, or beside the interpreter) and nothing built before: where DeepSpeed's JIT build of
+    FusedAdam would fail inside deepspeed.initialize, the config takes torch's fused Adam instead."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
+    assert fused_adam_problem() == "ninja is not on PATH (pip install ninja)"
+    template = load_ds_template(REPO / "ds_configs" / "ds_fp16.json")
+    with caplog.at_level(logging.WARNING):
+        cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cuda")
+    assert cfg["optimizer"]["params"]["torch_adam"] is True and cfg["optimizer"]["params"]["fused"] is True
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["DeepSpeed's FusedAdam cannot be built here (ninja is not on PATH (pip install ninja)): "
+                        "training with torch's fused Adam"]  # fmt: skip
+    # A build from before counts: the cached extension is loaded, nothing is compiled.
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("FusedAdamBuilder")
+    cached = tmp_path / "extensions" / builder.name
+    cached.mkdir(parents=True, exist_ok=True)  # looking for it created the directory
+    (cached / f"{builder.name}.so").write_bytes(b"")
+    assert fused_adam_problem() is None
+    # A user's explicit choice stands.
+    mine = resolve_ds_config({"optimizer": {"type": "Adam", "params": {"torch_adam": False}}}, BatchPlan(4, 1, 1), 1e-3, "cuda")
+    assert mine["optimizer"]["params"] == {"torch_adam": False, "lr": 1e-3, "adam_w_mode": False}
+
+
+def test_ninja_beside_the_interpreter_counts_and_is_put_on_path(monkeypatch, tmp_path):
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "ninja").write_text("#!/bin/sh\necho 1.13.2\n")
+    (venv_bin / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    monkeypatch.setattr(sys, "executable", str(venv_bin / "python"))
+    problem = fused_adam_problem()
+    assert problem != "ninja is not on PATH (pip install ninja)"
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(venv_bin)
 
 
 def test_recipe_defaults_fill_a_minimal_json():

@@ -82,7 +82,9 @@ class Config:
         "device: load them into GPU memory and cut crops there (falls back to host without a GPU)",
     )
     device_storage_dtype: Literal["float32", "float16"] = _field(
-        "float32", "precision of volumes kept on the GPU (storage device); float16 halves the footprint"
+        "float32",
+        "precision of the input volume kept on the GPU (storage device); float16 halves it (the targets stay float32, "
+        "the precision of the loss)"
     )
     backend: Literal["dali", "torch"] = _field("dali", "dali: DALI pipelines; torch: the same samples with torch ops")
     data_size: int = _field(64, "side of the training crops in voxels")

@@ -10,6 +10,9 @@ import copy
 import difflib
 import json
 import logging
+import os
+import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +103,41 @@ def load_ds_template(path: str | Path, overrides: dict[str, Any] | None = None) 
     return merge_settings(template, overrides or {})
 
 
+# What takes DeepSpeed's FusedAdam's place where it cannot be built: torch's own fused Adam, the same math.
+TORCH_FUSED_ADAM = {"torch_adam": True, "fused": True}
+
+
+def fused_adam_problem() -> str | None:
+    """Why DeepSpeed's FusedAdam cannot be loaded here, or None where it can: installed prebuilt, JIT-built before
+    (cached), or buildable (ninja on PATH or beside this interpreter, and a CUDA toolkit whose nvcc matches the CUDA
+    that torch was built with). A failed JIT build is a traceback deep inside deepspeed.initialize; this says why
+    before it starts."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder.builder import assert_no_cuda_mismatch
+    from torch.utils.cpp_extension import _get_build_directory
+
+    builder = get_accelerator().create_op_builder("FusedAdamBuilder")
+    if builder is None:
+        return f"DeepSpeed has no FusedAdam for the {get_accelerator().device_name()} accelerator"
+    if installed_ops.get(builder.name, False):
+        return None
+    if (Path(_get_build_directory(builder.name, verbose=False)) / f"{builder.name}.so").exists():
+        return None
+    interpreter_bin = str(Path(sys.executable).parent)  # a virtual environment's ninja, not on PATH unless activated
+    if shutil.which("ninja") is None:
+        if shutil.which("ninja", path=interpreter_bin) is None:
+            return "ninja is not on PATH (pip install ninja)"
+        os.environ["PATH"] = interpreter_bin + os.pathsep + os.environ.get("PATH", "")  # where torch's JIT looks
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} was built without CUDA"
+    try:
+        assert_no_cuda_mismatch(builder.name)
+    except Exception as err:  # DeepSpeed's MissingCUDAException, CUDAMismatchException
+        return " ".join(str(err).replace(">- ", "").split())
+    return None
+
+
 def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, device_type: str) -> dict[str, Any]:
     """The DeepSpeed config for this run: batch sizes and lr filled in, precision fitted to the device.
 
@@ -134,6 +172,9 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
         if device_type == "cpu" and "torch_adam" not in params:
             # FusedAdam's CPU build is a 45 s JIT compile for no gain here; torch.optim.Adam is the same math.
             params["torch_adam"] = True
+        elif device_type == "cuda" and "torch_adam" not in params and (problem := fused_adam_problem()):
+            log.warning("DeepSpeed's FusedAdam cannot be built here (%s): training with torch's fused Adam", problem)
+            params.update(TORCH_FUSED_ADAM)
     cfg.setdefault("gradient_clipping", 0.0)
     cfg.setdefault("steps_per_print", _QUIET_STEPS)
     # DeepSpeed's throughput timer (on by default) synchronizes the device at every forward and step, so that

@@ -8,13 +8,18 @@ linearly to the peak, ``peak * t / W``. Then the cosine runs from the peak to ``
 step ``t = T``. (The reference's cosine runs over T steps after warm-up and ends above end_lr.)
 
 The object follows torch's scheduler protocol as DeepSpeed uses it: DeepSpeed calls ``step()`` after
-each optimizer step (not after a step skipped for fp16 overflow) and saves ``state_dict()`` in its
-checkpoints.
+each optimizer step and saves ``state_dict()`` in its checkpoints. It does not call it after a step it
+skipped (gradients that overflowed under fp16, or were not finite under bf16); ``follow(engine)`` counts
+those too, at the next applied step, so that the schedule is back at the engine's step: step ``t`` uses
+the lr of step ``t``, except the step right after a skipped one, which uses the skipped step's; the run
+reaches ``end_lr`` at its last step. (Counting only the applied steps would leave the schedule behind by
+every skipped step, short of ``end_lr`` at the end of training.)
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from torch.optim import Optimizer
@@ -50,7 +55,13 @@ class ScaledCosineSchedule:
         if total_steps < 1 or self.warmup_steps >= total_steps:
             raise ValueError(f"warm-up of {self.warmup_steps} steps does not fit in {total_steps} total steps")
         self.steps_taken = 0
+        self.skipped_counted = 0
+        self._skipped_steps: Callable[[], int] | None = None
         self._apply()
+
+    def follow(self, engine: Any) -> None:
+        """Count the steps ``engine`` skips (its ``skipped_steps``) as steps taken."""
+        self._skipped_steps = lambda: int(engine.skipped_steps)
 
     def lr_at(self, t: int) -> float:
         """Learning rate of optimizer step ``t`` (1-based); end_lr beyond the last step."""
@@ -65,15 +76,19 @@ class ScaledCosineSchedule:
             group["lr"] = lr
 
     def step(self) -> None:
-        self.steps_taken += 1
+        """After an applied optimizer step: that step, and any skipped since the last one, are taken."""
+        skipped = self._skipped_steps() if self._skipped_steps is not None else self.skipped_counted
+        self.steps_taken += 1 + skipped - self.skipped_counted
+        self.skipped_counted = skipped
         self._apply()
 
     def get_last_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps_taken": self.steps_taken}
+        return {"steps_taken": self.steps_taken, "skipped_counted": self.skipped_counted}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps_taken = int(state["steps_taken"])
+        self.skipped_counted = int(state.get("skipped_counted", 0))  # checkpoints from before it was counted: 0
         self._apply()

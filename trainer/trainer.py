@@ -15,7 +15,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,20 +109,26 @@ class Device:
     """The GPU this rank uses, None on CPU."""
 
 
-def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int, cuda_visible_devices: str | None) -> int:
-    """The GPU of a rank: its local rank, or 0 where each task sees a GPU of its own (Slurm's --gpus-per-task:
-    CUDA_VISIBLE_DEVICES names one).
+def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int, environ: Mapping[str, str]) -> int:
+    """The GPU of a rank: its local rank, or 0 where Slurm gives each task a GPU of its own (srun with
+    --gpus-per-task: SLURM_GPUS_PER_TASK set, and CUDA_VISIBLE_DEVICES naming one GPU, a different one per task).
 
     Two ranks on one GPU (more ranks on a node than the GPUs they see, or several ranks that all see one and
-    the same GPU) fail mid-run in NCCL ("Duplicate GPU detected"): a clear error here instead.
+    the same GPU, as with CUDA_VISIBLE_DEVICES=0 exported to every rank of a torchrun) fail mid-run in NCCL
+    ("Duplicate GPU detected"): a clear error here instead.
     """
-    own_gpu = cuda_visible_devices is not None and len(cuda_visible_devices.split(",")) == 1
-    if visible_gpus == 1 and (local_world_size == 1 or own_gpu):
+    if visible_gpus == 1 and local_world_size == 1:
+        return 0
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    one_each = "SLURM_GPUS_PER_TASK" in environ and "SLURM_PROCID" in environ
+    if visible_gpus == 1 and one_each and visible is not None and len(visible.split(",")) == 1:
         return 0
     if local_world_size > visible_gpus:
+        shared = f" (CUDA_VISIBLE_DEVICES={visible} for every rank)" if visible is not None and not one_each else ""
         raise DistError(
-            f"{local_world_size} ranks on this node but {visible_gpus} GPU(s) visible to each: run one rank per GPU "
-            "(deepspeed --num_gpus, srun --ntasks-per-node, or --gpus-per-task 1)"
+            f"{local_world_size} ranks on this node but {visible_gpus} GPU(s) visible to each{shared}: run one rank "
+            "per GPU (deepspeed --num_gpus, torchrun --nproc_per_node, srun --ntasks-per-node, or srun "
+            "--gpus-per-task 1, which gives each task a GPU of its own)"
         )
     return local_rank
 
@@ -148,8 +154,7 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     dist.export()
     index = None
     if device_type == "cuda":
-        index = gpu_index(dist.local_rank, dist.local_world_size, torch.cuda.device_count(),
-                          os.environ.get("CUDA_VISIBLE_DEVICES"))  # fmt: skip
+        index = gpu_index(dist.local_rank, dist.local_world_size, torch.cuda.device_count(), os.environ)
         torch.cuda.set_device(index)
         os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed takes its device from LOCAL_RANK
     elif dist.is_main:
@@ -319,6 +324,14 @@ class Trainer:
         except (ValueError, TypeError, AssertionError) as err:  # DeepSpeed's own config checks (pydantic's span lines)
             what = cfg.deepspeed_config + (" with deepspeed_overrides" if cfg.deepspeed_overrides else "")
             raise ConfigError(f"DeepSpeed rejected {what}: {' '.join(str(err).split())}") from None
+        except RuntimeError as err:  # a JIT build of DeepSpeed's FusedAdam that the probe could not foresee
+            if "fused_adam" not in str(err):
+                raise
+            raise ConfigError(
+                f"DeepSpeed could not build FusedAdam ({str(err).strip().splitlines()[0]}); "
+                "deepspeed_overrides {optimizer: {params: {torch_adam: true, fused: true}}} trains with torch's fused Adam"
+            ) from None
+        self.schedule.follow(self.engine)  # steps skipped for overflow count: the schedule is at the engine's step
         skip_single_rank_reduction(self.engine)
         if cfg.compile:  # torch.compile of the module, through the engine (compiled on the first step)
             self.engine.compile(compile_kwargs={} if cfg.compile_mode == "default" else {"mode": cfg.compile_mode})
