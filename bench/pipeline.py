@@ -95,6 +95,8 @@ def _time_batches(batches: Any, warmup: int, measured: int, device: torch.device
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Time every case; each case's record is appended to ``args.out`` as soon as its last repeat is timed, so that a
+    run stopped early (a time limit) keeps what it finished."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     path = args.data
@@ -132,15 +134,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 results[case].append(_time_batches(batches, args.warmup, args.batches, device, args.batch))
                 batches.close()  # its work ahead must not overlap the next case's timing
                 print(f"crop {crop}^3, {case}, repeat {repeat + 1}: {results[case][-1]['samples_per_s']:.1f} samples/s", flush=True)
-        for case, runs in results.items():
-            rates = [r["samples_per_s"] for r in runs]
-            backend, _, storage = case.partition("-")
-            records.append({
-                "bench": "pipeline", "case": case, "backend": backend, "storage": storage or "lazy",
-                "crop": crop, "batch": args.batch, "threads": args.threads, "dtype": str(dtype).removeprefix("torch."),
-                "box": volumes.box_size, "repeats": len(rates), "samples_per_s": statistics.median(rates),
-                "samples_per_s_min": min(rates), "samples_per_s_max": max(rates), **env,
-            })  # fmt: skip
+                if repeat == args.repeats - 1:
+                    rates = [r["samples_per_s"] for r in results[case]]
+                    backend, _, storage = case.partition("-")
+                    records.append({
+                        "bench": "pipeline", "case": case, "backend": backend, "storage": storage or "lazy",
+                        "crop": crop, "batch": args.batch, "threads": args.threads,
+                        "dtype": str(dtype).removeprefix("torch."), "box": volumes.box_size, "repeats": len(rates),
+                        "samples_per_s": statistics.median(rates), "samples_per_s_min": min(rates),
+                        "samples_per_s_max": max(rates), **env,
+                    })  # fmt: skip
+                    append_records(args.out, records[-1:])
     return records
 
 
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                         "with --report or when --out is the default results file)")  # fmt: skip
     args = parser.parse_args(argv)
     if not args.report:
-        append_records(args.out, run(args))
+        run(args)
     records = read_records(args.out)
     text = table(_latest_run(records))
     print(text)

@@ -28,7 +28,8 @@ from bench.env import REPO
 from bench.train import RESULTS, parse_args
 from pipeline.cli import ArgumentParser, output_file
 from pipeline.loaders import crop_backend, dali_installed
-from trainer.config import ConfigError, parse_value
+from pipeline.synthetic import ensure_box
+from trainer.config import Config, ConfigError, parse_value
 from trainer.engine import load_ds_template, merge_settings, plan_batches, resolve_ds_config
 
 PRECISION_JSON = {"fp32": "ds_configs/ds_fp32.json", "bf16": "ds_configs/ds_bf16.json", "fp16": "ds_configs/ds_fp16.json"}
@@ -116,10 +117,11 @@ def gpu_speed(max_ranks: int) -> tuple[list[str], list[Case]]:
         common = _batch(64, 1) + ["--deepspeed_config", PRECISION_JSON[precision], "--warmup", "10"] + PLAIN_PATH
         return Case("speed", f"{precision} {what}", 1, ["synthetic", "full"], common + switches)
 
-    headline = [case(p, what, switches) for p in ("fp16", "bf16")
-                for what, switches in (("plain path", []), ("all fast paths", every))]  # fmt: skip
+    headline = [case(p, what, switches) for what, switches in (("plain path", []), ("all fast paths", every))
+                for p in ("fp16", "bf16")]  # fmt: skip
     single = [case(p, f"+ {name}", switch) for p in ("fp16", "bf16") for name, switch in FAST_PATHS.items()]
-    # The headline cases of both precisions first: a run cut short (a time-limited allocation) still has them.
+    # The headline cases first, the plain path of both precisions before the compiled ones: a run cut short (a
+    # time-limited allocation) still has them.
     return base, headline + single + [case("fp16", what, switches) for what, switches in TRIED_LAST.items()]
 
 
@@ -213,6 +215,15 @@ def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, de
     return checked
 
 
+def write_synthetic_data(configs: list[Config]) -> None:
+    """The cases' synthetic boxes, written once before the first case, so that no case's run pays for them."""
+    for cfg in configs:
+        if cfg.synthetic is not None:
+            for which, path in (("train", cfg.train_path), ("val", cfg.val_path)):
+                if ensure_box(Path(path), cfg.synthetic, which):
+                    print(f"wrote the synthetic {which} box {path}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smoke")
@@ -239,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     compared = tuple(sorted({c.sweep for c in cases if c.sweep.startswith(("weak", "strong", "zero2-settings"))}))
     cases = interleave_repeats(cases, compared, args.scaling_repeats)
     cases = [c for c in cases if not args.only or c.sweep in args.only]
-    check_cases(base, cases, args, "cuda" if torch.cuda.is_available() else "cpu")
+    checked = check_cases(base, cases, args, "cuda" if torch.cuda.is_available() else "cpu")
+    write_synthetic_data([cfg for _, cfg, _ in checked])
     run_id = time.strftime("%Y%m%dT%H%M%S")
     failures = []
     for case in cases:

@@ -1,10 +1,13 @@
 """The pipeline benchmark's own pieces: its baseline does the same work, its table comes from the records."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 
 from bench.pipeline import AUG, DOC, ReferenceStyleCrops, _latest_run, _time_batches, table, update_doc
+from bench.env import REPO
 from bench.pipeline import main as pipeline_main
 from pipeline.sampling import DrawPlan
 from pipeline.volumes import VolumeFiles, VolumePair
@@ -67,3 +70,23 @@ def test_a_run_with_its_own_results_file_leaves_the_docs_alone(tiny_data, tmp_pa
     copy.write_text("<!-- bench:pipeline:start -->\n<!-- bench:pipeline:end -->\n")
     pipeline_main(["--report", "--out", str(out), "--doc", str(copy)])
     assert "| 8^3 | torch-host |" in copy.read_text()
+
+
+def test_records_are_written_as_cases_finish_so_a_run_stopped_early_keeps_them(tiny_data, tmp_path):
+    """A time limit can stop the benchmark mid-run: every case timed before that is in the results file."""
+    out = tmp_path / "pipeline.jsonl"
+    command = [sys.executable, "-m", "bench.pipeline", "--data", str(tiny_data["train"]), "--crops", "8", "16",
+               "--batch", "4", "--threads", "1", "--warmup", "1", "--batches", "2", "--repeats", "1", "--no_dali",
+               "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # the first case of the second crop size is being timed: stop the run there
+            if line.startswith("crop 16^3, baseline"):
+                proc.kill()
+                break
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {(r["crop"], r["case"]) for r in records} >= {(8, "baseline"), (8, "torch-lazy"), (8, "torch-host")}
+    assert all(r["crop"] == 8 or r["case"] == "baseline" for r in records)

@@ -11,10 +11,12 @@ from bench.env import append_records, read_records
 from bench.flops import model_flops, peak_flops, utilization
 from bench.report import engine_overhead, newest_runs, scaling
 from bench.report import main as report_main
-from bench.sweep import PRESETS, check_cases
+from bench.sweep import PRESETS, check_cases, write_synthetic_data
 from bench.train import Marks, percentiles, timed
 from model.unet import level_channels
+from pipeline.synthetic import SyntheticSpec
 from tests.conftest import REPO, TINY_ARGS, single_process_env
+from trainer.config import Config
 from trainer.engine import plan_batches
 
 
@@ -188,6 +190,17 @@ def test_every_case_of_a_preset_is_a_valid_run(preset, tmp_path, monkeypatch):
         assert settings["bucket 5e8"]["reduce_bucket_size"] == 500_000_000
         assert settings["no overlap"]["overlap_comm"] is False
         assert settings["bucket 5e8"]["stage"] == 2 and settings["no overlap"]["reduce_bucket_size"] == 50_000_000
+
+
+def test_a_time_limited_gpu_speed_sweep_measures_the_plain_paths_first_on_data_written_before_it(tmp_path, monkeypatch):
+    """Compiling the 117M-parameter U-Net takes minutes: the plain path of both precisions comes before it, and no
+    case pays for writing the 256^3 box."""
+    monkeypatch.chdir(REPO)
+    base, cases = PRESETS["gpu-speed"](1)
+    assert [c.label for c in cases[:4]] == ["fp16 plain path", "bf16 plain path", "fp16 all fast paths", "bf16 all fast paths"]
+    cfg = Config(synthetic=SyntheticSpec(16, 16, 0), train_path=str(tmp_path / "train.h5"), val_path=str(tmp_path / "val.h5"))
+    write_synthetic_data([cfg, cfg])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.h5", "val.h5"]
 
 
 @pytest.mark.parametrize(
