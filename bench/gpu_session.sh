@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One GPU machine for a few minutes, most important first: the single-GPU speed table (bench.sweep --preset
-# gpu-speed, headline cases first) until SPEED_S seconds (360) into the script, then the device paths against the
-# CPU reference and the pipeline's throughput (bench/gpu_check.sh) for at most CHECK_S (170). Records and logs go
-# to OUT as they are measured, so a part cut short keeps what it finished; render the README table afterwards
-# with `python -m bench.report --results OUT/train.jsonl`. The defaults fit one 600 s call.
+# The GPU measurements in one time-boxed run, most important first, for a short allocation on a GPU node: the
+# single-GPU speed table (bench.sweep --preset gpu-speed, headline cases first) until SPEED_S seconds (360) into the
+# script, then the device paths against the CPU reference and the pipeline's throughput (bench/gpu_check.sh) for at
+# most CHECK_S (170). Records and logs go to OUT as they are measured, so a part cut short keeps what it finished;
+# render the table of docs/benchmarks.md afterwards with `python -m bench.report --results OUT/train.jsonl`. The
+# defaults fit a 10-minute allocation.
 #
 #   bash bench/gpu_session.sh OUT [WHEELS]   # WHEELS: from bench/offline_wheels.sh, where DeepSpeed is missing;
 #                                            # DALI from the parts in WHEELS-dali (or DALI_PARTS) where they are
@@ -12,14 +13,14 @@ cd "$(dirname "$0")/.." || exit 2
 out="${1:?usage: bench/gpu_session.sh OUT [WHEELS]}"
 py="${PYTHON:-python3}"
 mkdir -p "$out"
-site=/tmp/gpu-session-site
+site=/tmp/cosmo-emulator-gpu-site
 if [ -n "${2:-}" ]; then
   if ! "$py" -m pip install --quiet --no-index --no-deps --target "$site" "$2"/*.whl; then
     echo "the wheels in $2 do not install here: build them for $("$py" -V) with bench/offline_wheels.sh DIR X.Y" >&2
     exit 2
   fi
 fi
-# DALI's wheel in parts, carried one per call before this one (bench/offline_wheels.sh with WITH_DALI=1).
+# DALI's wheel from its parts (bench/offline_wheels.sh with WITH_DALI=1), joined and checked against SHA256.
 parts="${DALI_PARTS:-${2:-wheels}-dali}"
 if [ -f "$parts/SHA256" ]; then
   wheel=$(awk '{print $2}' "$parts/SHA256")
@@ -32,6 +33,9 @@ if [ -f "$parts/SHA256" ]; then
 fi
 [ -d "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# Every module the sweep and the checks need, named at once, before anything is built or measured.
+"$py" -m bench.preflight --gpu || exit 2
+"$py" -m bench.preflight --dali > /dev/null 2>&1 || echo "DALI or one of its requirements is missing: torch backend only"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 speed_s=${SPEED_S:-360}
 # DeepSpeed JIT-builds FusedAdam on first use (about a minute, counted in SPEED_S); where it cannot, every case

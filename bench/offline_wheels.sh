@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Wheels for a GPU machine that has PyTorch (CUDA), h5py and the usual scientific packages but no internet
-# (many compute nodes): DeepSpeed, built here since PyPI has only its source (its CUDA ops, FusedAdam among them,
-# are JIT-built there on first use), and the packages it needs that such images often lack, at the versions
+# Wheels for a GPU machine that has PyTorch (CUDA) and NumPy but no internet (many compute nodes): DeepSpeed, built
+# here since PyPI has only its source (its CUDA ops, FusedAdam among them, are JIT-built there on first use), and
+# every other package the project, DeepSpeed and the tests need (bench/offline_packages.txt), at the versions
 # constraints.txt pins. NVIDIA DALI only with WITH_DALI=1 (without it, train with --backend torch): its small
-# dependencies go to DIR, and its 405 MB wheel, for a machine that takes at most 64 MiB per transfer, to DIR-dali
-# in parts of 60 MiB with a SHA256 file naming the whole; bench/gpu_session.sh joins, checks and installs it.
+# dependencies go to DIR, and its 405 MB wheel to DIR-dali in parts of PART_MIB (60) MiB, for transfer paths with
+# a per-file size limit, with a SHA256 file naming the whole; bench/gpu_session.sh joins, checks and installs it.
 #
 #   bash bench/offline_wheels.sh DIR [PYTHON_VERSION]   # PYTHON_VERSION: the GPU machine's, e.g. 3.12
 #   # there:
@@ -16,16 +16,22 @@ pyver="${2:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version
 pip="${PIP:-python3 -m pip}"
 pin() {  # the version constraints.txt or requirements.txt pins for a package
   local found
-  found=$(grep -ihE "^$1==" constraints.txt requirements.txt | head -1)
-  [ -n "$found" ] || { echo "no pinned version of $1 in constraints.txt or requirements.txt" >&2; exit 2; }
+  found=$(grep -ihE "^$1==" constraints.txt requirements.txt requirements-dev.txt | head -1)
+  [ -n "$found" ] || { echo "no pinned version of $1 in constraints.txt or requirements*.txt" >&2; exit 2; }
   echo "$found"
 }
 mkdir -p "$dir"
 $pip wheel --quiet --no-deps --wheel-dir "$dir" "$(pin deepspeed)"
-packages=("$(pin hjson)" "$(pin pydantic)" "$(pin pydantic_core)" "$(pin annotated-types)" "$(pin typing-inspection)")
-if [ "${WITH_DALI:-0}" = 1 ]; then  # DALI's own requirements that such images lack, not its image codecs
-  for p in astunparse gast optree nvtx makefun libcst; do packages+=("$(pin "$p")"); done
-fi
+packages=()
+section=base
+while read -r name _; do  # "distribution module" lines; the [dali] section only with WITH_DALI=1
+  case "$name" in
+    "" | "#"*) ;;
+    "[dali]") section=dali ;;
+    deepspeed) ;;  # built above
+    *) if [ "$section" = base ] || [ "${WITH_DALI:-0}" = 1 ]; then packages+=("$(pin "$name")"); fi ;;
+  esac
+done < bench/offline_packages.txt
 platforms=()
 for p in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
   platforms+=(--platform "${p}_$(uname -m)")
@@ -42,9 +48,9 @@ if [ "${WITH_DALI:-0}" = 1 ]; then
   fetch "$parts/whole" "$(pin nvidia-dali-cuda120)"
   wheel=$(cd "$parts/whole" && ls -1 ./*.whl | head -1) && wheel=${wheel#./}
   (cd "$parts/whole" && sha256sum "$wheel") > "$parts/SHA256"
-  split --bytes=60M --numeric-suffixes=0 --suffix-length=2 "$parts/whole/$wheel" "$parts/$wheel.part"
+  split --bytes="${PART_MIB:-60}M" --numeric-suffixes=0 --suffix-length=2 "$parts/whole/$wheel" "$parts/$wheel.part"
   rm -r "$parts/whole"
-  echo "DALI in $(compgen -G "$parts/*.part*" | wc -l) parts: carry $parts/SHA256 and one part per call, then $dir and"
-  echo "bench/gpu_session.sh, which joins them (DALI_PARTS=$parts):"
+  echo "DALI in $(compgen -G "$parts/*.part*" | wc -l) parts with $parts/SHA256: copy them with $dir to the GPU machine;"
+  echo "bench/gpu_session.sh joins and checks them there (DALI_PARTS=$parts):"
   ls -1 "$parts"
 fi
