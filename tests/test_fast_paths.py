@@ -225,3 +225,37 @@ def test_engine_steps_do_not_synchronize_the_device():
     result = _run_one_rank(COUNTED_SYNCS)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "device syncs in 5 steps: 0" in result.stdout, result.stdout
+
+
+def _training_losses(tmp_path, name, *extra):
+    """Every logged training loss of a 2-epoch run of the tiny config, fp32, one log point per optimizer step."""
+    data = tmp_path.parent / "fast-data"
+    result = run_train([*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"),
+                        "--run_dir", str(tmp_path / name), "--num_epochs", "2", "--log_every_steps", "1",
+                        "--deepspeed_config", "ds_configs/ds_fp32.json", "--cudnn_benchmark", "false", *extra])  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss/train"] for r in records if "loss/train" in r]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dali_installed(), reason="needs a GPU and DALI")
+def test_gpu_dali_batches_handed_to_torch_are_not_reused_while_it_reads_them(tmp_path):
+    """DALI hands its GPU batches to torch without a copy; were a buffer refilled while the step still read it, the
+    losses would drift from the torch backend's, whose batches are its own. Without the per-step sync of the
+    non-finite check (nonfinite_loss: ignore) nothing else holds the host back."""
+    fast = ["--nonfinite_loss", "ignore", "--data_prefetch", "1"]
+    dali = _training_losses(tmp_path, "dali", "--backend", "dali", "--storage", "host", *fast)
+    torch_backend = _training_losses(tmp_path, "torch", "--backend", "torch", "--storage", "host", *fast)
+    assert len(dali) == len(torch_backend) == 32
+    assert dali == pytest.approx(torch_backend, rel=1e-4)  # the same samples; only the GPU's summation order differs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_cuda_graphs_with_gradient_accumulation_train_as_the_plain_path(tmp_path):
+    """compile_mode reduce-overhead replays CUDA graphs whose outputs the next replay overwrites; with two
+    micro-batches per optimizer step, each forward's activations must still be there for its backward."""
+    accumulate = ["--micro_batch_size", "4"]  # global batch 8 on one rank: accumulation 2
+    plain = _training_losses(tmp_path, "plain", *accumulate)
+    graphs = _training_losses(tmp_path, "graphs", *accumulate, "--compile", "true", "--compile_mode", "reduce-overhead")
+    assert len(plain) == len(graphs) == 32
+    assert graphs == pytest.approx(plain, rel=1e-4)
