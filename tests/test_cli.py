@@ -215,3 +215,18 @@ def test_make_tensorboard_serves_the_runs(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_the_one_off_build_of_deepspeeds_cpu_op_is_announced_only_when_it_will_happen(monkeypatch, tmp_path, caplog):
+    from trainer.trainer import announce_cpu_comm_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with caplog.at_level("INFO", logger="trainer.trainer"):
+        announce_cpu_comm_build()
+    assert caplog.messages == [f"building DeepSpeed's CPU communication op, once (about 40 s; cached in "
+                               f"{tmp_path / 'deepspeed_shm_comm'})"]  # fmt: skip
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    caplog.clear()
+    with caplog.at_level("INFO", logger="trainer.trainer"):
+        announce_cpu_comm_build()
+    assert caplog.messages == []
