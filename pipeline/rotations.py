@@ -115,6 +115,9 @@ def rotation_args(rot: Rotation, num_channels: int, groups: VectorGroups) -> Rot
     )
 
 
+_CHUNK = 16
+
+
 def rotate_into(x: np.ndarray, rot: Rotation, groups: VectorGroups, out: np.ndarray) -> np.ndarray:
     """Write ``x`` (C, D, H, W) rotated by ``rot`` into ``out``, in one pass: the reference implementation.
 
@@ -126,11 +129,18 @@ def rotate_into(x: np.ndarray, rot: Rotation, groups: VectorGroups, out: np.ndar
     view = np.flip(view, axis=tuple(1 + a for a in range(3) if rot.signs[a] < 0))
     order = channel_order(rot.perm, x.shape[0], groups)
     sign = channel_signs(rot, x.shape[0], groups)
+    # Where the innermost output axis reads an outer input axis, each output row strides through many planes of
+    # the input; cut along that axis in chunks of 16 voxels, the copy reads a few planes at a time (about 1.5x faster
+    # at 64^3 on a 2-core EPYC machine; (0, 2, 1) is faster whole).
+    size = x.shape[3]
+    chunk = _CHUNK if rot.perm[2] != 2 and rot.perm != (0, 2, 1) else size
     for c in range(x.shape[0]):
-        if sign[c] > 0:
-            np.copyto(out[c], view[order[c]])
-        else:
-            np.negative(view[order[c]], out=out[c])
+        for k in range(0, size, chunk):
+            src, dst = view[order[c], ..., k : k + chunk], out[c, ..., k : k + chunk]
+            if sign[c] > 0:
+                np.copyto(dst, src)
+            else:
+                np.negative(src, out=dst)
     return out
 
 

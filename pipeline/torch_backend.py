@@ -147,12 +147,10 @@ class TorchLoader:
             args = self.cutter.arguments(self.plan.batch_draws(self.epoch, index), cut_already=False)
             return self.cutter(self.resident, args, (self.dtype, torch.float32), self.channels_last)
         batch = self.batcher.get(self.epoch, index)
-        # The batcher's buffer is reused later: copy it, to the device (or into a new CPU tensor, keeping its
-        # memory format: channels-last when the batcher cut it so).
         if self.copy_stream is not None:
             inp, tar = self._upload(batch)
-        else:
-            inp, tar = torch.from_numpy(batch.inp).clone(), torch.from_numpy(batch.tar).clone()
+        else:  # views of the batcher's buffer (in its memory format), no copy: see __iter__
+            inp, tar = torch.from_numpy(batch.inp), torch.from_numpy(batch.tar)
         if self.cutter is None:
             return inp.to(self.dtype), tar
         args = self.cutter.arguments(batch.draws, cut_already=True)
@@ -177,6 +175,10 @@ class TorchLoader:
         return inp, tar
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches in order. On a CPU, where the batcher has already cut and rotated them, they are views of its
+        ring of buffers: each stays intact while the next one is processed (the ring holds one returned batch
+        beyond the one being cut into), so a training step reads it in place; a consumer that keeps batches
+        longer clones them."""
         for index in range(self.next_batch, self.plan.num_batches):
             yield self._batch(index)
         self.epoch, self.next_batch = self.epoch + 1, 0

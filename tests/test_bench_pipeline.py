@@ -5,8 +5,9 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
 
-from bench.pipeline import AUG, DOC, ReferenceStyleCrops, _latest_run, _time_batches, table, update_doc
+from bench.pipeline import AUG, DOC, PlainCopies, ReferenceStyleCrops, _latest_run, _time_batches, table, update_doc
 from bench.env import REPO
 from bench.pipeline import main as pipeline_main
 from pipeline.sampling import DrawPlan
@@ -31,8 +32,6 @@ def test_timing_discards_warmup_batches():
             consumed.append(i)
             yield i, i
 
-    import torch
-
     result = _time_batches(batches(), warmup=3, measured=5, device=torch.device("cpu"), batch=4)
     assert consumed == list(range(8))  # 3 discarded, 5 timed, none beyond
     assert result["samples_per_s"] == 20 / result["wall_s"]
@@ -47,9 +46,12 @@ def _record(case, rate, time="2026-01-01T00:00:00", crop=64):
 
 def test_table_uses_the_newest_run_and_ratios_to_its_baseline(tmp_path):
     records = [_record("baseline", 10.0, "2026-01-01"), _record("dali-host", 99.0, "2026-01-01"),
-               _record("baseline", 50.0, "2026-02-01"), _record("dali-host", 80.0, "2026-02-01")]  # fmt: skip
+               _record("baseline", 50.0, "2026-02-01"), _record("dali-host", 80.0, "2026-02-01"),
+               _record("limit", 320.0, "2026-02-01")]  # fmt: skip
     text = table(_latest_run(records))
-    assert "| 64^3 | dali-host | 80.0 | 79 - 81 | 1.60x |" in text and "99.0" not in text
+    assert "| 64^3 | dali-host | 80.0 | 79 - 81 | 1.60x | 25% |" in text and "99.0" not in text
+    assert "| 64^3 | limit | 320.0 | 319 - 321 | 6.40x | 100% |" in text
+    assert "| 64^3 | dali-host | 99.0 | 98 - 100 | 9.90x | - |" in table(records[:2])  # runs from before the limit
     doc = tmp_path / "benchmarks.md"
     doc.write_text("a\n<!-- bench:pipeline:start -->\nold\n<!-- bench:pipeline:end -->\nb\n")
     update_doc(doc, text)
@@ -72,6 +74,20 @@ def test_a_run_with_its_own_results_file_leaves_the_docs_alone(tiny_data, tmp_pa
     assert "| 8^3 | torch-host |" in copy.read_text()
 
 
+def test_the_limit_copies_the_same_crops_unrotated(tiny_data):
+    volumes = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, 8).load()
+    plan = DrawPlan(seed=0, num_samples=10, batch_size=4, box_size=32, crop_size=8, rotate=True)
+    limit = PlainCopies(volumes, plan, threads=2, device=torch.device("cpu"))
+    batches = [(inp.clone(), tar.clone()) for inp, tar in limit]
+    limit.close()
+    assert [len(inp) for inp, _ in batches] == [4, 4, 2]
+    for b, (inp, tar) in enumerate(batches):
+        for j, draw in enumerate(plan.batch_draws(0, b)):
+            x, y, z = draw.corner
+            assert np.array_equal(inp[j].numpy(), volumes.nbody[:, x : x + 8, y : y + 8, z : z + 8])
+            assert np.array_equal(tar[j].numpy(), volumes.hydro[:, x : x + 8, y : y + 8, z : z + 8])
+
+
 def test_records_are_written_as_cases_finish_so_a_run_stopped_early_keeps_them(tiny_data, tmp_path):
     """A time limit can stop the benchmark mid-run: every case timed before that is in the results file."""
     out = tmp_path / "pipeline.jsonl"
@@ -88,5 +104,5 @@ def test_records_are_written_as_cases_finish_so_a_run_stopped_early_keeps_them(t
         proc.kill()
         proc.wait(timeout=60)
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {(r["crop"], r["case"]) for r in records} >= {(8, "baseline"), (8, "torch-lazy"), (8, "torch-host")}
-    assert all(r["crop"] == 8 or r["case"] == "baseline" for r in records)
+    assert {(r["crop"], r["case"]) for r in records} >= {(8, "limit"), (8, "baseline"), (8, "torch-lazy"), (8, "torch-host")}
+    assert all(r["crop"] == 8 or r["case"] in ("limit", "baseline") for r in records)

@@ -59,6 +59,25 @@ def test_dali_with_rotating_batcher(volumes):
     _check_against_reference(loader, plan, volumes)
 
 
+def test_cpu_batches_of_the_torch_backend_are_read_in_place_and_stay_intact_through_the_next_one(volumes):
+    """No copy after the batcher's: a batch is a view of its ring, which it does not cut into again before the
+    consumer has asked for the batch after next (a training step reads its batch while the next is prepared)."""
+    plan = _plan(num_samples=64, batch_size=8)
+    for lookahead in (0, 1, 3):
+        loader = build_loader(volumes, plan, AUG, LoaderSettings("torch", "host", "float32", 2, lookahead), "host", CPU,
+                              torch.float32)  # fmt: skip
+        previous, buffers = None, set()
+        for b, (inp, tar) in enumerate(loader):
+            buffers.add(inp.untyped_storage().data_ptr())
+            if previous is not None:  # the batch before this one, untouched although this one was cut since
+                for j, draw in enumerate(plan.batch_draws(0, b - 1)):
+                    ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
+                    assert np.array_equal(previous[0][j].numpy(), ref_inp) and np.array_equal(previous[1][j].numpy(), ref_tar)
+            previous = (inp, tar)
+        loader.close()
+        assert len(buffers) == lookahead + 2  # the ring's buffers, reused: no new tensor per batch
+
+
 @pytest.mark.parametrize("backend", ["dali", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_inputs_in_training_dtype_targets_in_float32(volumes, backend, dtype):

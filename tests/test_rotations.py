@@ -95,3 +95,15 @@ def test_files_stored_in_zyx_order_declare_their_vectors_reversed():
         wrong += not np.array_equal(rotate_volume(zyx, seen_zyx, [[1, 2, 3]]), expected)
     # Declared in (x, y, z) order, they turn wrongly under every rotation but the 4 that commute with the swap.
     assert wrong == 24 - sum(np.array_equal(swap @ r.matrix, r.matrix @ swap) for r in ROTATIONS) == 20
+
+
+def test_the_chunked_copy_equals_the_whole_view():
+    """rotate_into copies some rotations in chunks along the innermost axis (cache-friendlier): every voxel of a
+    box larger than, and not a multiple of, the chunk lands where the plain transposed, flipped view puts it."""
+    rng = np.random.default_rng(3)
+    box = rng.normal(size=(5, 37, 37, 37)).astype(np.float32)
+    window = box[:, 1:36, 2:37, 0:35]  # a strided view, as the batcher reads from a volume
+    for rot in ROTATIONS:
+        view = np.flip(np.transpose(window, (0, *(1 + p for p in rot.perm))), [1 + a for a in range(3) if rot.signs[a] < 0])
+        expected = view[[0, *(1 + p for p in rot.perm), 4]] * np.array([1, *rot.signs, 1], np.float32)[:, None, None, None]
+        assert np.array_equal(rotate_volume(window, rot, [[1, 2, 3]]), expected), rot
