@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 out="${1:?usage: bench/gpu_session.sh OUT [WHEELS]}"
 py="${PYTHON:-python3}"
-mkdir -p "$out"
+mkdir -p "$out" 2>/dev/null || { echo "gpu_session.sh: $out cannot be made a directory (a file, or under one)" >&2; exit 2; }
 site=/tmp/cosmo-emulator-gpu-site
 if [ -n "${2:-}" ]; then
   if ! "$py" -m pip install --quiet --no-index --no-deps --target "$site" "$2"/*.whl; then
@@ -31,7 +31,8 @@ if [ -f "$parts/SHA256" ]; then
     echo "DALI's parts in $parts are incomplete or do not install ($found here): DALI skipped"
   fi
 fi
-[ -d "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+# The wheels' programs (ninja, which DeepSpeed's JIT build of FusedAdam runs) are in $site/bin.
+[ -d "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Every module the sweep and the checks need, named at once, before anything is built or measured.
 "$py" -m bench.preflight --gpu || exit 2

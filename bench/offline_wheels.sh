@@ -3,8 +3,8 @@
 # here since PyPI has only its source (its CUDA ops, FusedAdam among them, are JIT-built there on first use), and
 # every other package the project, DeepSpeed and the tests need (bench/offline_packages.txt), at the versions
 # constraints.txt pins. NVIDIA DALI only with WITH_DALI=1 (without it, train with --backend torch): its small
-# dependencies go to DIR, and its 405 MB wheel to DIR-dali in parts of PART_MIB (60) MiB, for transfer paths with
-# a per-file size limit, with a SHA256 file naming the whole; bench/gpu_session.sh joins, checks and installs it.
+# dependencies go to DIR, and its 405 MB wheel to DIR-dali with a SHA256 file naming it; PART_MIB=N splits it into
+# parts of N MiB, for copying through tools that limit a file's size. bench/gpu_session.sh joins, checks and installs.
 #
 #   bash bench/offline_wheels.sh DIR [PYTHON_VERSION]   # PYTHON_VERSION: the GPU machine's, e.g. 3.12
 #   # there:
@@ -20,7 +20,7 @@ pin() {  # the version constraints.txt or requirements.txt pins for a package
   [ -n "$found" ] || { echo "no pinned version of $1 in constraints.txt or requirements*.txt" >&2; exit 2; }
   echo "$found"
 }
-mkdir -p "$dir"
+mkdir -p "$dir" 2>/dev/null || { echo "offline_wheels.sh: $dir cannot be made a directory (a file, or under one)" >&2; exit 2; }
 $pip wheel --quiet --no-deps --wheel-dir "$dir" "$(pin deepspeed)"
 packages=()
 section=base
@@ -48,7 +48,11 @@ if [ "${WITH_DALI:-0}" = 1 ]; then
   fetch "$parts/whole" "$(pin nvidia-dali-cuda120)"
   wheel=$(cd "$parts/whole" && ls -1 ./*.whl | head -1) && wheel=${wheel#./}
   (cd "$parts/whole" && sha256sum "$wheel") > "$parts/SHA256"
-  split --bytes="${PART_MIB:-60}M" --numeric-suffixes=0 --suffix-length=2 "$parts/whole/$wheel" "$parts/$wheel.part"
+  if [ -n "${PART_MIB:-}" ]; then
+    split --bytes="${PART_MIB}M" --numeric-suffixes=0 --suffix-length=2 "$parts/whole/$wheel" "$parts/$wheel.part"
+  else
+    mv "$parts/whole/$wheel" "$parts/$wheel.part00"  # one part: the whole wheel
+  fi
   rm -r "$parts/whole"
   echo "DALI in $(compgen -G "$parts/*.part*" | wc -l) parts with $parts/SHA256: copy them with $dir to the GPU machine;"
   echo "bench/gpu_session.sh joins and checks them there (DALI_PARTS=$parts):"

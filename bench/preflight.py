@@ -1,11 +1,12 @@
-"""Check, in about a second and before anything runs, that this Python has every module the project needs.
+"""Check, in seconds and before anything runs, that this Python has every module the project needs.
 
-    python -m bench.preflight            # exit 2, naming every missing or too-old module, where something is
+    python -m bench.preflight            # exit 2, naming every missing module (or one too old to work)
     python -m bench.preflight --dali     # NVIDIA DALI and its requirements too
 
 The modules are those bench/offline_wheels.sh ships (bench/offline_packages.txt), plus torch with CUDA where
 ``--gpu``. Without this, a missing module surfaces late and in disguise (a missing einops reads as "FusedAdam
-did not build"). Standard library only: it must run where those packages are missing.
+did not build"). A package older than this project's pin is named on a second line but passes, except where an
+older one is known not to work (``MINIMUMS``). Standard library only: it must run where those packages are missing.
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ import re
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = REPO / "bench" / "offline_packages.txt"
+# Older than these, the package is known to break the project: pydantic 2.14 (DeepSpeed's config) needs
+# typing-extensions 4.16, DeepSpeed 0.19 needs pydantic 2.
+MINIMUMS = {"typing_extensions": "4.16", "pydantic": "2.0"}
 
 
 def listed(dali: bool) -> list[tuple[str, str]]:
@@ -51,8 +56,9 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
-def problems(dali: bool, gpu: bool) -> list[str]:
-    found = []
+def problems(dali: bool, gpu: bool) -> tuple[list[str], list[str]]:
+    """(what stops the project: missing modules, versions below MINIMUMS; packages older than their pins)."""
+    found, older = [], []
     for distribution, module in listed(dali):
         try:
             present = importlib.util.find_spec(module) is not None
@@ -61,13 +67,14 @@ def problems(dali: bool, gpu: bool) -> list[str]:
         if not present:
             found.append(f"{module} (pip: {distribution})")
             continue
-        want = pinned(distribution)
         try:
             have = metadata.version(distribution)
         except metadata.PackageNotFoundError:
             continue  # importable without metadata (a source tree on PYTHONPATH): nothing to compare
-        if want and _release(have) < _release(want):
-            found.append(f"{module} {have} is older than the {want} this project pins ({distribution})")
+        if distribution in MINIMUMS and _release(have) < _release(MINIMUMS[distribution]):
+            found.append(f"{module} {have} is older than the {MINIMUMS[distribution]} the project needs ({distribution})")
+        elif (want := pinned(distribution)) and _release(have) < _release(want):
+            older.append(f"{distribution} {have} (pinned: {want})")
     if importlib.util.find_spec("torch") is None:
         found.append("torch")
     elif gpu:
@@ -75,15 +82,24 @@ def problems(dali: bool, gpu: bool) -> list[str]:
 
         if not torch.cuda.is_available():
             found.append(f"a CUDA device for torch {torch.__version__} (CUDA {torch.version.cuda})")
-    return found
+    return found, older
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """A mistake on the command line is one line (pipeline.cli's parser would import the project's packages)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.preflight", description=__doc__.split("\n\n")[0])
+    parser = _OneLineErrors(prog="python -m bench.preflight", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dali", action="store_true", help="check NVIDIA DALI and its requirements too")
     parser.add_argument("--gpu", action="store_true", help="check that torch sees a CUDA device")
     args = parser.parse_args(argv)
-    found = problems(args.dali, args.gpu)
+    found, older = problems(args.dali, args.gpu)
+    if older:
+        print(f"preflight: older than this project's pins (tested with those): {', '.join(older)}")
     if found:
         print(f"preflight: missing or too old in {sys.executable}: " + "; ".join(found), file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from trainer import engine
 from trainer.config import ConfigError
 from trainer.engine import (
     TORCH_FUSED_ADAM,
@@ -36,20 +37,31 @@ def test_inconsistent_batches_are_errors(global_batch, micro, world, message):
         plan_batches(global_batch, micro, world)
 
 
+@pytest.fixture
+def probe(monkeypatch):
+    """Fresh FusedAdam probes (it is cached per process) in an environment the test changes."""
+    fused_adam_problem.cache_clear()
+    yield fused_adam_problem
+    fused_adam_problem.cache_clear()
+
+
+@pytest.mark.parametrize("problem", [None, "ninja is not on PATH (pip install ninja)"])
 @pytest.mark.parametrize("name", ["ds_fp16.json", "ds_bf16.json", "ds_fp32.json"])
-def test_shipped_configs_keep_the_recipe(name):
+def test_shipped_configs_keep_the_recipe(name, problem, monkeypatch):
+    monkeypatch.setattr(engine, "fused_adam_problem", lambda: problem)
     cfg = resolve_ds_config(load_ds_template(REPO / "ds_configs" / name), BatchPlan(16, 2, 2), 3e-4, "cuda")
     assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (64, 16, 2)
     assert cfg["optimizer"]["type"] == "Adam" and cfg["optimizer"]["params"]["adam_w_mode"] is False
     assert cfg["optimizer"]["params"]["lr"] == 3e-4
-    # DeepSpeed's FusedAdam on GPUs, torch's fused Adam where it cannot be built (this machine's torch may lack CUDA)
-    expected = {} if fused_adam_problem() is None else TORCH_FUSED_ADAM
-    assert {k: cfg["optimizer"]["params"].get(k) for k in expected} == expected
-    assert ("torch_adam" in cfg["optimizer"]["params"]) == bool(expected)
+    # DeepSpeed's FusedAdam on GPUs, torch's fused Adam where it cannot be built
+    if problem is None:
+        assert "torch_adam" not in cfg["optimizer"]["params"]
+    else:
+        assert {k: cfg["optimizer"]["params"][k] for k in TORCH_FUSED_ADAM} == TORCH_FUSED_ADAM
     assert cfg["gradient_clipping"] == 0.0
 
 
-def test_fp16_on_cpu_becomes_fp32_with_a_warning(caplog):
+def test_fp16_on_cpu_becomes_fp32_with_a_warning(caplog, probe):
     template = load_ds_template(REPO / "ds_configs" / "ds_fp16.json")
     with caplog.at_level(logging.WARNING):
         cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cpu")
@@ -61,13 +73,15 @@ def test_fp16_on_cpu_becomes_fp32_with_a_warning(caplog):
     assert gpu["fp16"]["enabled"] is True
 
 
-def test_fused_adam_that_cannot_be_built_gives_way_to_torchs_with_one_warning(monkeypatch, tmp_path, caplog):
+def test_fused_adam_that_cannot_be_built_gives_way_to_torchs_with_one_warning(monkeypatch, tmp_path, caplog, probe):
     """No ninja anywhere (PATH, or beside the interpreter) and nothing built before: where DeepSpeed's JIT build of
     FusedAdam would fail inside deepspeed.initialize, the config takes torch's fused Adam instead."""
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / "python"))
-    assert fused_adam_problem() == "ninja is not on PATH (pip install ninja)"
+    monkeypatch.syspath_prepend(str(tmp_path / "empty"))
+    monkeypatch.setitem(sys.modules, "ninja", None)  # no ninja package either
+    assert probe() == "ninja is not on PATH (pip install ninja)"
     template = load_ds_template(REPO / "ds_configs" / "ds_fp16.json")
     with caplog.at_level(logging.WARNING):
         cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cuda")
@@ -82,23 +96,31 @@ def test_fused_adam_that_cannot_be_built_gives_way_to_torchs_with_one_warning(mo
     cached = tmp_path / "extensions" / builder.name
     cached.mkdir(parents=True, exist_ok=True)  # looking for it created the directory
     (cached / f"{builder.name}.so").write_bytes(b"")
-    assert fused_adam_problem() is None
+    probe.cache_clear()
+    assert probe() is None
     # A user's explicit choice stands.
     mine = resolve_ds_config({"optimizer": {"type": "Adam", "params": {"torch_adam": False}}}, BatchPlan(4, 1, 1), 1e-3, "cuda")
     assert mine["optimizer"]["params"] == {"torch_adam": False, "lr": 1e-3, "adam_w_mode": False}
 
 
-def test_ninja_beside_the_interpreter_counts_and_is_put_on_path(monkeypatch, tmp_path):
-    venv_bin = tmp_path / "venv" / "bin"
-    venv_bin.mkdir(parents=True)
-    (venv_bin / "ninja").write_text("#!/bin/sh\necho 1.13.2\n")
-    (venv_bin / "ninja").chmod(0o755)
+@pytest.mark.parametrize("layout", ["venv", "target"])
+def test_a_ninja_off_path_is_found_and_put_on_path(layout, monkeypatch, tmp_path, probe):
+    """Beside the interpreter (a virtual environment not activated), or in SITE/bin beside the ninja package
+    (wheels installed with pip --target SITE, on PYTHONPATH)."""
+    site = tmp_path / "site"
+    (site / "ninja").mkdir(parents=True)
+    (site / "ninja" / "__init__.py").write_text("")
+    bin_dir = tmp_path / "venv" / "bin" if layout == "venv" else site / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "ninja").write_text("#!/bin/sh\necho 1.13.2\n")
+    (bin_dir / "ninja").chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
-    monkeypatch.setattr(sys, "executable", str(venv_bin / "python"))
-    problem = fused_adam_problem()
-    assert problem != "ninja is not on PATH (pip install ninja)"
-    assert os.environ["PATH"].split(os.pathsep)[0] == str(venv_bin)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    monkeypatch.delitem(sys.modules, "ninja", raising=False)
+    monkeypatch.syspath_prepend(str(site))
+    assert probe() != "ninja is not on PATH (pip install ninja)"
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(bin_dir)
 
 
 def test_recipe_defaults_fill_a_minimal_json():

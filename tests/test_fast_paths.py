@@ -240,9 +240,10 @@ def _training_losses(tmp_path, name, *extra):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not dali_installed(), reason="needs a GPU and DALI")
 def test_gpu_dali_batches_handed_to_torch_are_not_reused_while_it_reads_them(tmp_path):
-    """DALI hands its GPU batches to torch without a copy; were a buffer refilled while the step still read it, the
-    losses would drift from the torch backend's, whose batches are its own. Without the per-step sync of the
-    non-finite check (nonfinite_loss: ignore) nothing else holds the host back."""
+    """DALI's external source reads the batcher's ring of buffers without a copy (no_copy), and the iterator hands
+    its GPU outputs on; were a buffer cut into again while DALI still read it, or an output reused while the step
+    still read it, the losses would drift from the torch backend's. Without the per-step sync of the non-finite check
+    (nonfinite_loss: ignore) and with the shortest lookahead, nothing holds the host back."""
     fast = ["--nonfinite_loss", "ignore", "--data_prefetch", "1"]
     dali = _training_losses(tmp_path, "dali", "--backend", "dali", "--storage", "host", *fast)
     torch_backend = _training_losses(tmp_path, "torch", "--backend", "torch", "--storage", "host", *fast)

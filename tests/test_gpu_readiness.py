@@ -90,13 +90,24 @@ def test_preflight_names_every_missing_module_at_once():
     assert clean.returncode == 0, clean.stderr
 
 
-def test_preflight_refuses_a_package_older_than_its_pin(tmp_path):
+@pytest.mark.parametrize("version, refused", [("4.5.0", True), ("4.16.0", False)])
+def test_preflight_refuses_a_package_too_old_to_work_and_names_ones_older_than_their_pins(tmp_path, version, refused):
     """typing-extensions older than pydantic needs is the classic: importable, and wrong."""
-    old = tmp_path / "typing_extensions-4.5.0.dist-info"
+    old = tmp_path / f"typing_extensions-{version}.dist-info"
     old.mkdir()
-    (old / "METADATA").write_text("Metadata-Version: 2.1\nName: typing_extensions\nVersion: 4.5.0\n")
+    (old / "METADATA").write_text(f"Metadata-Version: 2.1\nName: typing_extensions\nVersion: {version}\n")
     (tmp_path / "typing_extensions.py").write_text("")
+    grpc = tmp_path / "grpcio-1.0.0.dist-info"  # older than its pin, and harmless
+    grpc.mkdir()
+    (grpc / "METADATA").write_text("Metadata-Version: 2.1\nName: grpcio\nVersion: 1.0.0\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     result = subprocess.run([sys.executable, "-m", "bench.preflight"], cwd=REPO, env=env, capture_output=True, text=True)
-    assert result.returncode == 2
-    assert f"typing_extensions 4.5.0 is older than the {pinned('typing_extensions')} this project pins" in result.stderr
+    assert result.returncode == (2 if refused else 0), result.stderr
+    assert ("typing_extensions 4.5.0 is older than the 4.16 the project needs" in result.stderr) is refused
+    assert "grpcio 1.0.0 (pinned: 1.85.3)" in result.stdout
+
+
+def test_preflight_command_line_errors_are_one_line():
+    result = subprocess.run([sys.executable, "-m", "bench.preflight", "--dail"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "python -m bench.preflight: error: unrecognized arguments: --dail"]

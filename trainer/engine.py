@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
+import importlib.util
 import json
 import logging
 import os
@@ -107,11 +109,22 @@ def load_ds_template(path: str | Path, overrides: dict[str, Any] | None = None) 
 TORCH_FUSED_ADAM = {"torch_adam": True, "fused": True}
 
 
+def _ninja_dirs() -> list[str]:
+    """Where a ninja that is not on PATH may be: beside this interpreter (a virtual environment not activated), and
+    the bin directory beside the ninja package (wheels installed with pip --target SITE put it in SITE/bin)."""
+    dirs = [str(Path(sys.executable).parent)]
+    spec = importlib.util.find_spec("ninja")
+    if spec is not None and spec.origin is not None:
+        dirs.append(str(Path(spec.origin).parent.parent / "bin"))
+    return dirs
+
+
+@functools.cache
 def fused_adam_problem() -> str | None:
     """Why DeepSpeed's FusedAdam cannot be loaded here, or None where it can: installed prebuilt, JIT-built before
-    (cached), or buildable (ninja on PATH or beside this interpreter, and a CUDA toolkit whose nvcc matches the CUDA
-    that torch was built with). A failed JIT build is a traceback deep inside deepspeed.initialize; this says why
-    before it starts."""
+    (cached), or buildable (ninja on PATH, beside this interpreter or in the ninja package, and a CUDA toolkit whose
+    nvcc matches the CUDA that torch was built with). A failed JIT build is a traceback deep inside
+    deepspeed.initialize; this says why before it starts. Probed once per process."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder.builder import assert_no_cuda_mismatch
@@ -124,11 +137,11 @@ def fused_adam_problem() -> str | None:
         return None
     if (Path(_get_build_directory(builder.name, verbose=False)) / f"{builder.name}.so").exists():
         return None
-    interpreter_bin = str(Path(sys.executable).parent)  # a virtual environment's ninja, not on PATH unless activated
     if shutil.which("ninja") is None:
-        if shutil.which("ninja", path=interpreter_bin) is None:
+        found = [d for d in _ninja_dirs() if shutil.which("ninja", path=d)]
+        if not found:
             return "ninja is not on PATH (pip install ninja)"
-        os.environ["PATH"] = interpreter_bin + os.pathsep + os.environ.get("PATH", "")  # where torch's JIT looks
+        os.environ["PATH"] = found[0] + os.pathsep + os.environ.get("PATH", "")  # where torch's JIT build looks
     if torch.version.cuda is None:
         return f"torch {torch.__version__} was built without CUDA"
     try:
@@ -173,7 +186,8 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
             # FusedAdam's CPU build is a 45 s JIT compile for no gain here; torch.optim.Adam is the same math.
             params["torch_adam"] = True
         elif device_type == "cuda" and "torch_adam" not in params and (problem := fused_adam_problem()):
-            log.warning("DeepSpeed's FusedAdam cannot be built here (%s): training with torch's fused Adam", problem)
+            if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
+                log.warning("DeepSpeed's FusedAdam cannot be built here (%s): training with torch's fused Adam", problem)
             params.update(TORCH_FUSED_ADAM)
     cfg.setdefault("gradient_clipping", 0.0)
     cfg.setdefault("steps_per_print", _QUIET_STEPS)

@@ -109,9 +109,11 @@ class Device:
     """The GPU this rank uses, None on CPU."""
 
 
-def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int, environ: Mapping[str, str]) -> int:
-    """The GPU of a rank: its local rank, or 0 where Slurm gives each task a GPU of its own (srun with
-    --gpus-per-task: SLURM_GPUS_PER_TASK set, and CUDA_VISIBLE_DEVICES naming one GPU, a different one per task).
+def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int, environ: Mapping[str, str],
+              srun_tasks: bool) -> int:  # fmt: skip
+    """The GPU of a rank: its local rank, or 0 where Slurm gives each task a GPU of its own: the ranks are srun's
+    tasks (``srun_tasks``, not processes a launcher started inside one task) and srun ran with --gpus-per-task
+    (SLURM_GPUS_PER_TASK set, CUDA_VISIBLE_DEVICES naming one GPU, a different one per task).
 
     Two ranks on one GPU (more ranks on a node than the GPUs they see, or several ranks that all see one and
     the same GPU, as with CUDA_VISIBLE_DEVICES=0 exported to every rank of a torchrun) fail mid-run in NCCL
@@ -120,7 +122,7 @@ def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int, environ
     if visible_gpus == 1 and local_world_size == 1:
         return 0
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    one_each = "SLURM_GPUS_PER_TASK" in environ and "SLURM_PROCID" in environ
+    one_each = srun_tasks and "SLURM_GPUS_PER_TASK" in environ
     if visible_gpus == 1 and one_each and visible is not None and len(visible.split(",")) == 1:
         return 0
     if local_world_size > visible_gpus:
@@ -154,7 +156,8 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     dist.export()
     index = None
     if device_type == "cuda":
-        index = gpu_index(dist.local_rank, dist.local_world_size, torch.cuda.device_count(), os.environ)
+        index = gpu_index(dist.local_rank, dist.local_world_size, torch.cuda.device_count(), os.environ,
+                          srun_tasks=dist.source == "slurm")  # fmt: skip
         torch.cuda.set_device(index)
         os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed takes its device from LOCAL_RANK
     elif dist.is_main:
