@@ -26,7 +26,6 @@ from trainer.checkpoint import CHECKPOINT_DIR
 from trainer.config import (
     Config,
     ConfigError,
-    add_config_options,
     build_config,
     changes_on_resume,
     config_parser,
@@ -59,7 +58,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     )
     parser.add_argument("--stop_after_epoch", type=int, help="stop after this epoch; the schedule still spans num_epochs")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    add_config_options(parser)
     return parse_config_options(parser, argv)
 
 

@@ -2,7 +2,7 @@
 reference's way of loading, in the same run, on the same file and the same cores.
 
     python -m bench.pipeline                       # CPU or GPU, whatever is here
-    python -m bench.pipeline --report              # regenerate the README table from the results
+    python -m bench.pipeline --report              # regenerate the table in docs/benchmarks.md from the results
 
 The limit is a plain copy of the same crops out of the volumes in memory (same threads, no rotation): the memory
 bandwidth every case is held against. The baseline is built the way NERSC's tutorial loads data: a PyTorch DataLoader whose worker
@@ -127,8 +127,8 @@ def _time_batches(batches: Any, warmup: int, measured: int, device: torch.device
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Time every case; each case's record is appended to ``args.out`` as soon as its last repeat is timed, so that a
-    run stopped early (a time limit) keeps what it finished."""
+    """Time every case; a case's record (the median of its repeats so far) is appended to ``args.out`` each time it
+    is timed, so that a run stopped early (a time limit) keeps what it finished; the table takes each case's last."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     path = args.data
@@ -170,26 +170,27 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 results[case].append(_time_batches(batches, args.warmup, args.batches, device, args.batch))
                 batches.close()  # its work ahead must not overlap the next case's timing
                 print(f"crop {crop}^3, {case}, repeat {repeat + 1}: {results[case][-1]['samples_per_s']:.1f} samples/s", flush=True)
-                if repeat == args.repeats - 1:
-                    rates = [r["samples_per_s"] for r in results[case]]
-                    backend, _, storage = case.partition("-")
-                    records.append({
-                        "bench": "pipeline", "case": case, "backend": backend, "storage": storage or "lazy",
-                        "crop": crop, "batch": args.batch, "threads": args.threads,
-                        "dtype": str(dtype).removeprefix("torch."), "box": volumes.box_size, "repeats": len(rates),
-                        "samples_per_s": statistics.median(rates), "samples_per_s_min": min(rates),
-                        "samples_per_s_max": max(rates), **env,
-                    })  # fmt: skip
-                    append_records(args.out, records[-1:])
+                rates = [r["samples_per_s"] for r in results[case]]
+                backend, _, storage = case.partition("-")
+                records.append({
+                    "bench": "pipeline", "case": case, "backend": backend, "storage": storage or "lazy",
+                    "crop": crop, "batch": args.batch, "threads": args.threads,
+                    "dtype": str(dtype).removeprefix("torch."), "box": volumes.box_size, "repeats": len(rates),
+                    "samples_per_s": statistics.median(rates), "samples_per_s_min": min(rates),
+                    "samples_per_s_max": max(rates), **env,
+                })  # fmt: skip
+                append_records(args.out, records[-1:])
     return records
 
 
 def _latest_run(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records of the newest run on each device (a run's records share its start time)."""
+    """The records of the newest run on each device (a run's records share its start time), the last one of each
+    case (the one over the most repeats)."""
     latest: dict[str, str] = {}
     for r in records:
         latest[r["device"]] = max(latest.get(r["device"], ""), r["time"])
-    return [r for r in records if r["time"] == latest[r["device"]]]
+    last = {(r["device"], r["crop"], r["case"]): r for r in records if r["time"] == latest[r["device"]]}
+    return list(last.values())
 
 
 def table(records: list[dict[str, Any]]) -> str:
@@ -211,8 +212,8 @@ def table(records: list[dict[str, Any]]) -> str:
             for r in sorted((r for r in rows if r["crop"] == crop), key=lambda r: -r["samples_per_s"]):
                 spread = f"{r['samples_per_s_min']:.0f} - {r['samples_per_s_max']:.0f}"
                 of_limit = f"{r['samples_per_s'] / rate['limit']:.0%}" if "limit" in rate else "-"
-                lines.append(f"| {crop}^3 | {r['case']} | {r['samples_per_s']:.1f} | {spread} | "
-                             f"{r['samples_per_s'] / rate['baseline']:.2f}x | {of_limit} |")  # fmt: skip
+                vs_baseline = f"{r['samples_per_s'] / rate['baseline']:.2f}x" if "baseline" in rate else "-"
+                lines.append(f"| {crop}^3 | {r['case']} | {r['samples_per_s']:.1f} | {spread} | {vs_baseline} | {of_limit} |")
         lines.append("")
     return "\n".join(lines)
 

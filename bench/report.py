@@ -1,6 +1,6 @@
-"""Plots and a markdown table from bench/results/train.jsonl; the README's results section.
+"""Plots and a markdown table from bench/results/train.jsonl: the training table of docs/benchmarks.md.
 
-    python -m bench.report        # newest sweep run per device -> bench/results/*.png and README.md
+    python -m bench.report        # newest sweep run per device -> bench/results/*.png and docs/benchmarks.md
 
 Plots: throughput against ranks with the ideal line, scaling efficiency, the step-time breakdown
 (forward / backward / optimizer), throughput against micro-batch.

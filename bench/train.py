@@ -36,7 +36,7 @@ from bench.env import REPO, append_records, environment
 from bench.flops import model_flops, utilization
 from model import UNet, unet_loss
 from pipeline.cli import output_file
-from trainer.config import Config, add_config_options, build_config, config_parser, load_named, parse_config_options
+from trainer.config import Config, build_config, config_parser, load_named, parse_config_options
 from trainer.dist import DistEnv
 from trainer.engine import precision_name
 from trainer.trainer import USER_ERRORS, Trainer, forward_loss, init_distributed, prepare_data
@@ -262,7 +262,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument("--repeat", type=int, default=0, help="which run of a repeated case this is")
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    add_config_options(parser)
     args, overrides = parse_config_options(parser, argv)
     return args, build_config(load_named(args.yaml_config, args.config), overrides)
 

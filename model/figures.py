@@ -87,11 +87,12 @@ def spectra(metrics: dict[str, Any], path: Path) -> Path:
     fields = ("gas_density", "temperature")
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     upto = ranges.get("intermediate", ranges["large_scales"])[1]  # the k the axes are scaled to
-    for ax, stat, floor, ceiling, cap in ((left, "power_ratio", 0.9, 1.1, 3.0), (right, "r", 0.9, 1.0, 1.05)):
+    # Capped at 1.5 (and r at 0.5 below): a few percent stays a visible share of the axis.
+    for ax, stat, floor, ceiling, cap in ((left, "power_ratio", 0.9, 1.1, 1.5), (right, "r", 0.9, 1.0, 1.05)):
         k = np.asarray(metrics[fields[0]]["k"])
         shown = [np.asarray(metrics[f][stat])[k <= upto] for f in fields]
         lo, hi = _limits(shown, floor, ceiling, 0.02)
-        lo, hi = max(lo, 0.0 if stat == "power_ratio" else -1.0), min(hi, cap)
+        lo, hi = max(lo, 0.5), min(hi, cap)
         for field in fields:
             values = np.asarray(metrics[field][stat], dtype=float)
             ax.plot(k, np.clip(values, lo, hi), marker=".", label=field.replace("_", " "))

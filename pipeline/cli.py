@@ -96,9 +96,14 @@ def output_dir(text: str) -> Path:
     return path
 
 
-def _check_parents(path: Path) -> None:
+def parent_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be created (the nearest existing directory above it is a file), or None."""
     for parent in path.parents:
         if parent.exists():
-            if not parent.is_dir():
-                raise argparse.ArgumentTypeError(f"{path}: {parent} is a file, not a directory")
-            return
+            return None if parent.is_dir() else f"{path}: {parent} is a file, not a directory"
+    return None
+
+
+def _check_parents(path: Path) -> None:
+    if problem := parent_problem(path):
+        raise argparse.ArgumentTypeError(problem)

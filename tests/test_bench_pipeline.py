@@ -52,6 +52,7 @@ def test_table_uses_the_newest_run_and_ratios_to_its_baseline(tmp_path):
     assert "| 64^3 | dali-host | 80.0 | 79 - 81 | 1.60x | 25% |" in text and "99.0" not in text
     assert "| 64^3 | limit | 320.0 | 319 - 321 | 6.40x | 100% |" in text
     assert "| 64^3 | dali-host | 99.0 | 98 - 100 | 9.90x | - |" in table(records[:2])  # runs from before the limit
+    assert "| 64^3 | limit | 320.0 | 319 - 321 | - | 100% |" in table(records[-1:])  # a run stopped before its baseline
     doc = tmp_path / "benchmarks.md"
     doc.write_text("a\n<!-- bench:pipeline:start -->\nold\n<!-- bench:pipeline:end -->\nb\n")
     update_doc(doc, text)
@@ -92,12 +93,12 @@ def test_records_are_written_as_cases_finish_so_a_run_stopped_early_keeps_them(t
     """A time limit can stop the benchmark mid-run: every case timed before that is in the results file."""
     out = tmp_path / "pipeline.jsonl"
     command = [sys.executable, "-m", "bench.pipeline", "--data", str(tiny_data["train"]), "--crops", "8", "16",
-               "--batch", "4", "--threads", "1", "--warmup", "1", "--batches", "2", "--repeats", "1", "--no_dali",
+               "--batch", "4", "--threads", "1", "--warmup", "1", "--batches", "2", "--repeats", "2", "--no_dali",
                "--out", str(out)]  # fmt: skip
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:  # the first case of the second crop size is being timed: stop the run there
-            if line.startswith("crop 16^3, baseline"):
+            if line.startswith("crop 16^3, baseline, repeat 1"):
                 proc.kill()
                 break
     finally:
@@ -106,3 +107,7 @@ def test_records_are_written_as_cases_finish_so_a_run_stopped_early_keeps_them(t
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert {(r["crop"], r["case"]) for r in records} >= {(8, "limit"), (8, "baseline"), (8, "torch-lazy"), (8, "torch-host")}
     assert all(r["crop"] == 8 or r["case"] in ("limit", "baseline") for r in records)
+    last = {(r["crop"], r["case"]): r["repeats"] for r in records}  # each case's newest record: the most repeats
+    assert last[(8, "torch-host")] == 2 and last[(16, "limit")] == 1
+    text = table(_latest_run(records))  # a run cut short still makes a table, without the ratios it lacks
+    assert "| 8^3 | torch-host |" in text and "| 16^3 | limit |" in text

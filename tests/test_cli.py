@@ -74,8 +74,9 @@ def test_help_shows_defaults_and_the_named_configs(capsys):
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
     flat = " ".join(out.split())
-    assert "--num_epochs VALUE training epochs (default: 10)" in flat
-    assert "(default: {scaling: sqrt, start_lr: 0.0002, end_lr: 0.0, warmup_steps: 128})" in flat
+    assert "--num_epochs VALUE training epochs (default: 10; debug: 5)" in flat  # debug: the config run by default
+    assert "--lambda_rho VALUE weight of the extra L1 term on gas density in original space (default: 0.0) " in flat
+    assert "(default: {scaling: sqrt, start_lr: 0.0002, end_lr: 0.0, warmup_steps: 128}; debug: {scaling: none," in flat
     assert "--synthetic VALUE" in flat and "(default: null)" in flat
     named = named_configs(REPO / "ds_configs" / "UNet.yaml")
     assert {"base", "short", "bs64_opt", "debug"} <= {name for name, _ in named}
@@ -94,6 +95,9 @@ def test_help_lists_the_configs_of_another_yaml_file(tmp_path, capsys):
         main(["--yaml_config", str(mine), "--help"])
     out = capsys.readouterr().out
     assert f"named configs in {mine}" in out and re.search(r"^  tiny +my own config$", out, re.M)
+    with pytest.raises(SystemExit):
+        main(["--yaml_config", str(mine), "--config", "tiny", "--help"])
+    assert "(default: 10; tiny: 1)" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.fixture
@@ -138,10 +142,13 @@ def test_a_path_of_the_wrong_kind_is_one_line(command, argv, message, kinds, cap
 
 
 def test_config_paths_of_the_wrong_kind_are_one_line(tmp_path):
-    for key in ("train_path", "deepspeed_config"):
-        result = run_train(["--config", "debug", "--run_dir", str(tmp_path / key), f"--{key}", str(tmp_path)])
+    (tmp_path / "a_file").write_text("x\n")
+    for key, value, message in [("train_path", tmp_path, f"train_path {tmp_path} is a directory, not a file"),
+                                ("deepspeed_config", tmp_path, "is a directory, not a file"),
+                                ("val_path", tmp_path / "a_file" / "val.h5", "a_file is a file, not a directory")]:  # fmt: skip
+        result = run_train(["--config", "debug", "--run_dir", str(tmp_path / key), f"--{key}", str(value)])
         errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
-        assert result.returncode == 2 and len(errors) == 1 and f"{key} {tmp_path} is a directory, not a file" in errors[0]
+        assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr[-2000:]
         # Chosen explicitly, DeepSpeed's accelerator detection does not warn on every start.
         assert "unable to detect it" not in result.stderr + result.stdout
 

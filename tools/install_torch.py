@@ -3,8 +3,8 @@ elsewhere, so that a laptop is not sent several GB of CUDA libraries it cannot u
 
     python tools/install_torch.py torch==2.13.0               # with the venv's python (make does this)
 
-Where no NVIDIA GPU is found, PyTorch's CPU wheel index is tried first; if it cannot be reached (a proxy, a
-mirror-only site), the default index is used instead. One line says which was chosen and why. TORCH_INDEX
+Where no NVIDIA GPU is found, PyTorch's CPU wheel index is used; if it cannot be reached (a proxy, a mirror-only
+site), the default index is used instead. One line says which was chosen and why. TORCH_INDEX
 names an index to use whatever the machine has; TORCH_CPU_INDEX moves the CPU index (a local mirror).
 Standard library only: it runs before anything is installed.
 """
@@ -62,9 +62,7 @@ def main(argv: list[str]) -> int:
     problem = reachable(cpu_index)
     if problem is None:
         print(f"torch: no NVIDIA GPU: installing the CPU build of {requirement} from {cpu_index}", flush=True)
-        if pip_install(requirement, cpu_index) == 0:
-            return 0
-        problem = "pip could not install from it"
+        return pip_install(requirement, cpu_index)  # a failure there is pip's to report: no CUDA build instead
     print(f"torch: no NVIDIA GPU, and {cpu_index} cannot be used ({problem}): installing {requirement} from the "
           "default index", flush=True)  # fmt: skip
     return pip_install(requirement, None)

@@ -2,9 +2,9 @@
 
 import os
 
-import torch
-
 # DeepSpeed picks its accelerator when it is first imported, and where it finds no GPU it says so in every process
-# ("Setting accelerator to CPU ... we were unable to detect it"). Naming it before DeepSpeed is imported keeps that
-# quiet; a DS_ACCELERATOR set in the environment still wins.
-os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+# ("Setting accelerator to CPU ... we were unable to detect it"). Naming the CPU before DeepSpeed is imported, where
+# there is no NVIDIA driver, keeps that quiet (without importing torch here); a DS_ACCELERATOR from the environment
+# still wins, and with a GPU DeepSpeed finds it by itself.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from pipeline.cli import ArgumentParser, existing_file
+from pipeline.cli import ArgumentParser, existing_file, parent_problem
 from pipeline.rotations import check_vector_groups
 from pipeline.synthetic import SyntheticSpec
 
@@ -313,19 +313,18 @@ def named_configs(path: Path) -> list[tuple[str, str]]:
     return [(name, str(body.get("description", "")) if isinstance(body, dict) else "") for name, body in document.items()]
 
 
-def _yaml_config_in(argv: Sequence[str]) -> Path:
-    """The --yaml_config the command line names, for --help's list of named configs, before parsing it."""
+def _option_in(argv: Sequence[str], option: str) -> str | None:
+    """The value the command line gives ``option``, read before parsing it (for --help)."""
     for i, arg in enumerate(argv):
-        if arg == "--yaml_config" and i + 1 < len(argv):
-            return Path(argv[i + 1])
-        if arg.startswith("--yaml_config="):
-            return Path(arg.split("=", 1)[1])
-    return DEFAULT_YAML
+        if arg == option and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
-def configs_epilog(argv: Sequence[str]) -> str:
+def configs_epilog(path: Path) -> str:
     """--help's closing list of the named configs, each with its description."""
-    path = _yaml_config_in(argv)
     try:
         named = named_configs(path)
     except ConfigError as err:
@@ -335,30 +334,51 @@ def configs_epilog(argv: Sequence[str]) -> str:
     return f"named configs in {path} (--config NAME):\n" + "\n".join(lines)
 
 
-def add_config_options(parser: argparse.ArgumentParser) -> None:
-    """Every config key as an option ``--key VALUE`` (dotted for nested keys), plus --config/--yaml_config."""
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out[prefix + key] = value
+        if isinstance(value, dict) and key != "deepspeed_overrides":
+            out |= _flat(value, prefix + key + ".")
+    return out
+
+
+def add_config_options(parser: argparse.ArgumentParser, yaml_path: Path, name: str) -> None:
+    """Every config key as an option ``--key VALUE`` (dotted for nested keys), plus --config/--yaml_config. Each
+    option's help gives the key's default, and the named config's value where that differs."""
     parser.add_argument("--config", default="debug", help="name of the config in --yaml_config (default: debug)")
     parser.add_argument("--yaml_config", type=existing_file, default=DEFAULT_YAML,
                         help=f"file of named configs (default: {DEFAULT_YAML})")  # fmt: skip
+    try:
+        named = _flat(to_dict(build_config(load_named(yaml_path, name), {})))
+    except ConfigError:
+        named = {}  # a config that cannot be built says why when it is run, not in --help
     group = parser.add_argument_group(
-        "config keys", "override the named config; the defaults shown are those of keys a named config does not set"
+        "config keys",
+        f"override the named config; each key's default, and where the config '{name}' sets another value, that",
     )
     for key, (help_text, default) in leaf_keys(Config).items():
+        values = f"default: {_as_yaml(default)}"
+        if key in named and named[key] != _flat(to_dict(Config())).get(key):
+            values += f"; {name}: {_as_yaml(named[key])}"
         group.add_argument(f"--{key}", dest=f"set:{key}", metavar="VALUE", default=argparse.SUPPRESS,
-                           help=f"{help_text} (default: {_as_yaml(default)})".replace("%", "%%"))  # fmt: skip
+                           help=f"{help_text} ({values})".replace("%", "%%"))  # fmt: skip
 
 
 def config_parser(prog: str, description: str, argv: Sequence[str], usage: str | None = None) -> ArgumentParser:
-    """A command's parser for the config options: one-line errors, the reference's renamed options hinted, and
-    --help closing with the named configs."""
-    return ArgumentParser(
+    """A command's parser with the config options: one-line errors, the reference's renamed options hinted, each
+    key's default and the chosen named config's value in --help, which closes with the named configs."""
+    yaml_path = Path(_option_in(argv, "--yaml_config") or DEFAULT_YAML)
+    parser = ArgumentParser(
         prog=prog,
         description=description,
         usage=usage,
-        epilog=configs_epilog(argv),
+        epilog=configs_epilog(yaml_path),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         renamed=RENAMED,
     )
+    add_config_options(parser, yaml_path, _option_in(argv, "--config") or "debug")
+    return parser
 
 
 def parse_config_options(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
@@ -437,8 +457,11 @@ def build_config(base: dict[str, Any], overrides: dict[str, str]) -> Config:
     cfg.validate()
     data_keys = PATH_KEYS[:2] if cfg.data_format == "hdf5" else PATH_KEYS[2:6]
     for key in (*data_keys, "deepspeed_config"):
-        if Path(getattr(cfg, key)).is_dir():
-            raise ConfigError(f"{key} {getattr(cfg, key)} is a directory, not a file")
+        path = Path(getattr(cfg, key))
+        if path.is_dir():
+            raise ConfigError(f"{key} {path} is a directory, not a file")
+        if problem := parent_problem(path):
+            raise ConfigError(f"{key} {problem}")
     return cfg
 
 
