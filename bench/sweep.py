@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -28,9 +27,9 @@ from bench.env import REPO
 from bench.train import RESULTS, parse_args
 from pipeline.cli import ArgumentParser, output_file
 from pipeline.loaders import crop_backend, dali_installed
-from pipeline.synthetic import ensure_box
+from pipeline.synthetic import ensure_boxes
 from trainer.config import Config, ConfigError, parse_value
-from trainer.engine import load_ds_template, merge_settings, plan_batches, resolve_ds_config
+from trainer.engine import TORCH_FUSED_ADAM, load_ds_template, merge_settings, plan_batches, resolve_ds_config
 
 PRECISION_JSON = {"fp32": "ds_configs/ds_fp32.json", "bf16": "ds_configs/ds_bf16.json", "fp16": "ds_configs/ds_fp16.json"}
 
@@ -104,7 +103,7 @@ PLAIN_PATH = ["--channels_last", "false", "--cudnn_benchmark", "false", "--compi
 # torch's fused Adam in place of DeepSpeed's FusedAdam (no JIT build; DeepSpeed's unfused fp16 wrapper around it).
 TRIED_LAST = {
     "+ compile, CUDA graphs": ["--compile", "true", "--compile_mode", "reduce-overhead"],
-    "torch fused Adam": ["--deepspeed_overrides", '{"optimizer": {"params": {"torch_adam": true, "fused": true}}}'],
+    "torch fused Adam": ["--deepspeed_overrides", json.dumps({"optimizer": {"params": TORCH_FUSED_ADAM}})],
 }
 
 
@@ -219,9 +218,8 @@ def write_synthetic_data(configs: list[Config]) -> None:
     """The cases' synthetic boxes, written once before the first case, so that no case's run pays for them."""
     for cfg in configs:
         if cfg.synthetic is not None:
-            for which, path in (("train", cfg.train_path), ("val", cfg.val_path)):
-                if ensure_box(Path(path), cfg.synthetic, which):
-                    print(f"wrote the synthetic {which} box {path}", flush=True)
+            for which, path in ensure_boxes(cfg.synthetic, cfg.train_path, cfg.val_path):
+                print(f"wrote the synthetic {which} box {path}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

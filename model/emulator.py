@@ -8,7 +8,6 @@ plain tensors and types) or a single exported weights file (``python -m model.ex
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass

@@ -13,7 +13,6 @@ memory stay bounded whatever the box size.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys

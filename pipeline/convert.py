@@ -8,7 +8,6 @@ so that memory stays at one channel of the box.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np

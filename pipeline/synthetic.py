@@ -196,6 +196,12 @@ def ensure_box(path: Path, spec: SyntheticSpec, which: str) -> bool:
     return True
 
 
+def ensure_boxes(spec: SyntheticSpec, train_path: str | Path, val_path: str | Path) -> list[tuple[str, Path]]:
+    """``ensure_box`` for the training and the validation box; the (which, path) of those it wrote."""
+    paths = {"train": Path(train_path), "val": Path(val_path)}
+    return [(which, path) for which, path in paths.items() if ensure_box(path, spec, which)]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m pipeline.synthetic", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out_dir", type=output_dir, default=Path("data/synthetic"), help="writes train.h5 and val.h5 here")

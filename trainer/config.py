@@ -293,23 +293,20 @@ def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, Any]
     return keys
 
 
+def _plain(value: Any) -> Any:
+    """A value as the YAML file holds it: dataclasses as mappings."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
 def _as_yaml(value: Any) -> str:
     """A default as it would be written in the YAML file: null, [[1, 2, 3]], {scaling: sqrt, ...}."""
-    if dataclasses.is_dataclass(value):
-        value = dataclasses.asdict(value)
+    value = _plain(value)
     return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip().removesuffix("\n...").strip()
 
 
 def named_configs(path: Path) -> list[tuple[str, str]]:
     """(name, description) of every named config in the YAML file ``path``; ConfigError if it cannot be read."""
-    try:
-        document = yaml.load(path.read_text(), _Loader)
-    except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
-    if not isinstance(document, dict):
-        raise ConfigError(f"{path} must map config names to configs")
+    document = _named_document(path)
     return [(name, str(body.get("description", "")) if isinstance(body, dict) else "") for name, body in document.items()]
 
 
@@ -359,7 +356,7 @@ def add_config_options(parser: argparse.ArgumentParser, yaml_path: Path, name: s
     )
     for key, (help_text, default) in leaf_keys(Config).items():
         values = f"default: {_as_yaml(default)}"
-        if key in named and named[key] != _flat(to_dict(Config())).get(key):
+        if key in named and named[key] != _plain(default):
             values += f"; {name}: {_as_yaml(named[key])}"
         group.add_argument(f"--{key}", dest=f"set:{key}", metavar="VALUE", default=argparse.SUPPRESS,
                            help=f"{help_text} ({values})".replace("%", "%%"))  # fmt: skip
@@ -388,8 +385,8 @@ def parse_config_options(parser: argparse.ArgumentParser, argv: list[str] | None
     return args, overrides
 
 
-def load_named(path: Path, name: str) -> dict[str, Any]:
-    """The mapping named ``name`` in the YAML file ``path`` (YAML anchors resolved)."""
+def _named_document(path: Path) -> dict[str, Any]:
+    """The YAML file of named configs at ``path``, anchors resolved; ConfigError if it cannot be read."""
     try:
         text = path.read_text()
     except OSError as err:
@@ -400,6 +397,12 @@ def load_named(path: Path, name: str) -> dict[str, Any]:
         raise ConfigError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(document, dict):
         raise ConfigError(f"{path} must map config names to configs")
+    return document
+
+
+def load_named(path: Path, name: str) -> dict[str, Any]:
+    """The mapping named ``name`` in the YAML file ``path`` (YAML anchors resolved)."""
+    document = _named_document(path)
     if name not in document:
         raise ConfigError(f"no config named '{name}' in {path} (available: {', '.join(sorted(document))})")
     selected = document[name]

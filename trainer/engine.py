@@ -109,6 +109,14 @@ def load_ds_template(path: str | Path, overrides: dict[str, Any] | None = None) 
 TORCH_FUSED_ADAM = {"torch_adam": True, "fused": True}
 
 
+def jit_built(name: str) -> tuple[bool, Path]:
+    """Whether torch's JIT extension ``name`` (a DeepSpeed op) was built before, and where it is cached."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build = Path(_get_build_directory(name, verbose=False))
+    return (build / f"{name}.so").exists(), build
+
+
 def _ninja_dirs() -> list[str]:
     """Where a ninja that is not on PATH may be: beside this interpreter (a virtual environment not activated), and
     the bin directory beside the ninja package (wheels installed with pip --target SITE put it in SITE/bin)."""
@@ -128,14 +136,13 @@ def fused_adam_problem() -> str | None:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder.builder import assert_no_cuda_mismatch
-    from torch.utils.cpp_extension import _get_build_directory
 
     builder = get_accelerator().create_op_builder("FusedAdamBuilder")
     if builder is None:
         return f"DeepSpeed has no FusedAdam for the {get_accelerator().device_name()} accelerator"
     if installed_ops.get(builder.name, False):
         return None
-    if (Path(_get_build_directory(builder.name, verbose=False)) / f"{builder.name}.so").exists():
+    if jit_built(builder.name)[0]:
         return None
     if shutil.which("ninja") is None:
         found = [d for d in _ninja_dirs() if shutil.which("ninja", path=d)]

@@ -43,12 +43,14 @@ from pipeline.loaders import (
     effective_storage,
 )
 from pipeline.sampling import Augmenter, DrawPlan
-from pipeline.synthetic import ensure_box
+from pipeline.synthetic import ensure_boxes
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
 from trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from trainer.config import Config, ConfigError, to_dict
 from trainer.dist import DistEnv, DistError
 from trainer.engine import (
+    TORCH_FUSED_ADAM,
+    jit_built,
     load_ds_template,
     loss_scale,
     plan_batches,
@@ -138,11 +140,8 @@ def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int, environ
 def announce_cpu_comm_build() -> None:
     """On CPUs DeepSpeed compiles its shared-memory communication op the first time a process starts, silently for
     about 40 s, and caches it; say so before that silence."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    name = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
-    build = Path(_get_build_directory(name, verbose=False))
-    if not (build / f"{name}.so").exists():
+    built, build = jit_built("deepspeed_shm_comm")  # DeepSpeed's ShareMemCommBuilder.NAME
+    if not built:
         log.info("building DeepSpeed's CPU communication op, once (about 40 s; cached in %s)", build)
 
 
@@ -179,9 +178,8 @@ def unused_data_keys(cfg: Config, storage: str) -> list[str]:
 def prepare_data(cfg: Config, dist: DistEnv) -> None:
     """Generate the synthetic boxes the config asks for, once per node, before anyone reads them."""
     if cfg.synthetic is not None and dist.local_rank == 0:
-        for which, path in (("train", cfg.train_path), ("val", cfg.val_path)):
-            if ensure_box(Path(path), cfg.synthetic, which):
-                log.info("generated synthetic %s box %s", which, path)
+        for which, path in ensure_boxes(cfg.synthetic, cfg.train_path, cfg.val_path):
+            log.info("generated synthetic %s box %s", which, path)
     torch_dist.barrier()
 
 
@@ -330,9 +328,10 @@ class Trainer:
         except RuntimeError as err:  # a JIT build of DeepSpeed's FusedAdam that the probe could not foresee
             if "fused_adam" not in str(err):
                 raise
+            override = json.dumps({"optimizer": {"params": TORCH_FUSED_ADAM}})
             raise ConfigError(
                 f"DeepSpeed could not build FusedAdam ({str(err).strip().splitlines()[0]}); "
-                "deepspeed_overrides {optimizer: {params: {torch_adam: true, fused: true}}} trains with torch's fused Adam"
+                f"--deepspeed_overrides '{override}' trains with torch's fused Adam"
             ) from None
         self.schedule.follow(self.engine)  # steps skipped for overflow count: the schedule is at the engine's step
         skip_single_rank_reduction(self.engine)
