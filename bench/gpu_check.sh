@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU check, under 5 minutes on one GPU: the pipeline's throughput at 64^3, batch 64, per backend and storage mode,
-# then the device paths against the CPU reference (tests/test_device_paths.py, CUDA variants included; the fast
-# paths' GPU tests).
+# GPU check, under 5 minutes on one GPU: the pipeline's throughput at 64^3, batch 64, per backend and storage mode
+# (dali-device is DALI's graph over GPU-resident volumes, torch-device the torch gather: the default backend for
+# device storage is DALI unless it measures slower), then the device paths against the CPU reference
+# (tests/test_device_paths.py, CUDA variants included, with the proof that DALI copies no volume per batch, whose
+# timings it prints; the fast paths' GPU tests).
 # Where DALI is not installed it checks the torch backend and says that DALI was skipped.
 #
 #   bash bench/gpu_check.sh [RESULTS.jsonl]   # PYTHON=... picks the interpreter; needs torch (CUDA), h5py, pytest
@@ -24,6 +26,6 @@ fi
 data=(); [ -n "${PIPELINE_DATA:-}" ] && [ -f "$PIPELINE_DATA" ] && data=(--data "$PIPELINE_DATA")
 "$py" -m bench.pipeline --crops 64 --batch 64 --batches 20 --repeats 2 --out "$results" "${dali[@]}" "${data[@]}"
 status=$?
-"$py" -m pytest -q -rs -p no:cacheprovider tests/test_device_paths.py tests/test_fast_paths.py -k "device or gpu or synchron" \
+"$py" -m pytest -q -rs -s -p no:cacheprovider tests/test_device_paths.py tests/test_fast_paths.py -k "device or gpu or synchron" \
   || status=1
 exit $status

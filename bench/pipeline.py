@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader, Dataset
 from bench.env import REPO, append_records, environment, read_records
 from pipeline.cli import ArgumentParser, existing_file, output_file
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
-from pipeline.loaders import LoaderSettings, build_loader, crop_backend
+from pipeline.convert import convert
+from pipeline.loaders import LoaderSettings, build_loader
 from pipeline.rotations import ROTATIONS, channel_order, channel_signs
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import SyntheticSpec, write_box
@@ -136,11 +137,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"writing a {args.box}^3 synthetic box to {path} ...", flush=True)
         write_box(path, SyntheticSpec(train_box_size=args.box), args.box, seed=0)
     backends = ["torch"] if args.no_dali else ["dali", "torch"]
-    storages = ["lazy", "host"] + (["device"] if device.type == "cuda" else [])
+    storages = ["lazy", "lazy-npy", "host"] + (["device"] if device.type == "cuda" else [])
+    npy = path.with_suffix("")  # the same box as .npy files, for DALI's numpy reader and lazy memory maps
+    if not Path(f"{npy}_data.npy").exists():
+        convert(path, npy, "CDHW")
     env = environment()
     records = []
     for crop in args.crops:
         volumes = VolumePair.open(VolumeFiles.hdf5(path), 4, 5, crop)
+        npy_volumes = VolumePair.open(VolumeFiles.npy(f"{npy}_data.npy", f"{npy}_label.npy", "CDHW"), 4, 5, crop)
         total = args.batch * (args.warmup + args.batches)
         plan = DrawPlan(seed=0, num_samples=total, batch_size=args.batch, box_size=volumes.box_size, crop_size=crop, rotate=True)
 
@@ -157,11 +162,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "baseline": baseline,
         }
         for backend in backends:
-            for storage in storages:
-                if crop_backend(backend, storage) != backend:
-                    continue  # measured under the backend that really cuts these crops
+            for case in storages:
+                storage = case.removesuffix("-npy")
                 settings = LoaderSettings(backend, storage, "float16", args.threads, lookahead=2)
-                cases[f"{backend}-{storage}"] = lambda s=settings, v=volumes, p=plan: build_loader(v, p, AUG, s, s.storage, device, dtype)
+                v = npy_volumes if case.endswith("-npy") else volumes
+                cases[f"{backend}-{case}"] = lambda s=settings, v=v, p=plan: build_loader(v, p, AUG, s, s.storage, device, dtype)
         # Repeats go round all cases, so that drift on a shared machine spreads over every case alike.
         results: dict[str, list[dict[str, float]]] = {case: [] for case in cases}
         for repeat in range(args.repeats):

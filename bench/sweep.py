@@ -26,7 +26,7 @@ import torch
 from bench.env import REPO
 from bench.train import RESULTS, parse_args
 from pipeline.cli import ArgumentParser, output_file
-from pipeline.loaders import crop_backend, dali_installed
+from pipeline.loaders import dali_installed, resolve_backend
 from pipeline.synthetic import ensure_boxes
 from trainer.config import Config, ConfigError, parse_value
 from trainer.engine import TORCH_FUSED_ADAM, load_ds_template, merge_settings, plan_batches, resolve_ds_config
@@ -207,8 +207,7 @@ def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, de
             DeepSpeedConfig({**ds_config, "train_batch_size": plan.micro_batch * plan.accumulation})
         except (ValueError, TypeError, AssertionError) as err:
             sys.exit(f"case {case.label!r}: DeepSpeed rejects its config: {' '.join(str(err).split())}")
-        storage = cfg.storage if device_type == "cuda" else "host"  # only whether it is "device" matters here
-        if crop_backend(cfg.backend, storage) == "dali" and not dali_installed():
+        if resolve_backend(cfg.backend, device_type) == "dali" and not dali_installed():
             sys.exit(f"case {case.label!r}: backend dali, but NVIDIA DALI is not installed here: add --backend torch")
         checked.append((options, cfg, ds_config))
     return checked

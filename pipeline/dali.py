@@ -1,28 +1,49 @@
-"""DALI pipelines: batches from an external source, rotated on the training device.
+"""DALI pipelines: each batch of a ``DrawPlan`` made inside the DALI graph, on the training device.
 
-The graph reads like the recipe: take the crops the CPU batcher cut, rotate them unless it already did
-(inputs and targets alike, vector channels turned with the volume), cast the input to the dtype the
-engine trains in. Targets stay float32, the precision of the loss: float16 would round them by up to
-2.4e-4, a visible share of a converged L1 of about 5e-3. The same graph runs on the CPU
-(``device_id=None``) and on a GPU.
+An external source hands the graph the per-sample arguments of each batch (crop corners, rotation); the
+graph cuts the crops, rotates them (inputs and targets alike, vector channels turned with the volume),
+casts the inputs to the engine's dtype and, for channels-last training, moves the channels last. Where
+the crops come from is the storage mode's business (the ``*Crops`` sources below):
+
+- ``HostCrops`` (storage ``host``): the volumes in this process's memory, listed once per sample by the
+  external source (``no_copy``: on the CPU, DALI takes a list of arrays as they are, so the volume is not
+  copied) and cut by ``fn.slice`` at voxel anchors on DALI's CPU threads; on a GPU the crops are then
+  uploaded and rotated there.
+- ``ResidentCrops`` (storage ``device``): volumes resident in GPU memory, held by a function that DALI
+  calls on its own CUDA stream (``fn.dl_tensor_python_function``), which gathers the batch's crops in one
+  kernel per volume. The volume never enters the graph as data: a GPU external source would copy a batch
+  that lists it once per sample into one buffer (DALI's documentation of ``no_copy``). The same function
+  cuts volumes in host memory when the graph runs on the CPU.
+- ``NumpyCrops`` (storage ``lazy``, .npy files): DALI's numpy reader reads each crop as a region of
+  interest of the files; on a GPU through GPUDirect Storage where ``gpu_direct_storage`` asks for it.
+- ``BatcherCrops`` (storage ``lazy``, HDF5 files): crops read by the ``CropBatcher``'s threads with h5py
+  (DALI has no HDF5 reader), handed over as a batch; on the CPU the batcher rotates them as it cuts.
+
+Targets stay float32, the precision of the loss: float16 would round them by up to 2.4e-4, a visible share
+of a converged L1 of about 5e-3. The same graph runs on the CPU (``device_id=None``) and on a GPU.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali import fn, ops, pipeline_def, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
+from torch.utils.dlpack import to_dlpack
 
 from pipeline.crops import CropBatcher
 from pipeline.rotations import AXIS_PERMUTATIONS, VectorGroups, channel_order
 from pipeline.sampling import Augmenter, DrawPlan, SampleDraw
+from pipeline.torch_backend import gather_crops
+from pipeline.volumes import VolumeFiles, VolumePair
 
 # DALI has no bfloat16: such batches leave the pipeline as float32 and are cast by torch.
 _DALI_DTYPES = {torch.float32: types.FLOAT, torch.float16: types.FLOAT16, torch.bfloat16: types.FLOAT}
+_SPATIAL = [1, 2, 3]  # the spatial axes of a CDHW sample
 
 
 def rotation_arrays(draws: list[SampleDraw], augmenter: Augmenter) -> tuple[np.ndarray, ...]:
@@ -36,6 +57,140 @@ def rotation_arrays(draws: list[SampleDraw], augmenter: Augmenter) -> tuple[np.n
     )
 
 
+class BatcherCrops:
+    """Crops cut by a ``CropBatcher`` (rotated already where ``batcher.rotate_here``), a batch at a time."""
+
+    padded = False
+
+    def __init__(self, batcher: CropBatcher) -> None:
+        self.batcher = batcher
+        self.rotated = batcher.rotate_here
+        layout = "DHWC" if batcher.channels_last else "CDHW"  # the batcher cut channels-last already
+        self.layouts = [layout, layout]
+        self.threads = 1  # the graph's CPU work is bookkeeping: the batcher's threads cut the crops
+
+    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> list[Any]:
+        inp, tar, _ = self.batcher.get(epoch, index).contiguous()
+        return [inp, tar]
+
+    def cut(self, given: list[Any], corners: Any, crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+        inp, tar = given
+        return (inp.gpu(), tar.gpu()) if on_gpu else (inp, tar)
+
+    def close(self) -> None:
+        self.batcher.close()
+
+
+class HostCrops:
+    """Crops sliced by DALI's CPU threads out of volumes in host memory, handed to the graph without a copy."""
+
+    padded, rotated = False, False
+    layouts = ["CDHW", "CDHW"]
+
+    def __init__(self, volumes: VolumePair, threads: int) -> None:
+        self.nbody, self.hydro = volumes.nbody, volumes.hydro  # contiguous float32 (VolumePair.load)
+        self.threads = threads
+
+    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> list[Any]:
+        return [[self.nbody] * len(draws), [self.hydro] * len(draws)]  # the same array per sample: no copy
+
+    def cut(self, given: list[Any], corners: Any, crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+        shape = np.full(3, crop_size, np.int32)
+        inp, tar = (
+            fn.slice(v, corners, shape, axes=_SPATIAL, normalized_anchor=False, normalized_shape=False) for v in given
+        )
+        return (inp.gpu(), tar.gpu()) if on_gpu else (inp, tar)
+
+    def close(self) -> None:
+        pass
+
+
+class ResidentCrops:
+    """Crops gathered from volumes held by this object, by a function DALI calls with the batch's corners:
+    on a GPU, tensors resident in its memory, gathered on DALI's CUDA stream; on the CPU, host arrays."""
+
+    padded, rotated = False, False
+    layouts: list[str] = []
+
+    def __init__(self, nbody: torch.Tensor, hydro: torch.Tensor) -> None:
+        self.volumes = (nbody, hydro)
+        self.on_gpu = nbody.device.type == "cuda"
+        self.threads = 1  # nothing is cut on the CPU
+
+    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> list[Any]:
+        return []
+
+    def _gather(self, corners: list[Any], size: int) -> tuple[Any, Any]:
+        """Called by DALI with the batch's corners (DLPack, on the volumes' device): the crops of both volumes."""
+        if not self.on_gpu:
+            return self._crops(corners, size)
+        # DALI's stream: the graph's work before and after this call is ordered with the gathers without a host
+        # sync, and memory that torch frees here is reused on that stream only, after DALI has copied the crops.
+        device = self.volumes[0].device
+        stream = torch.cuda.ExternalStream(ops.PythonFunction.current_stream().ptr, device=device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            return self._crops(corners, size)
+
+    def _crops(self, corners: list[Any], size: int) -> tuple[Any, Any]:
+        corner = torch.stack([torch.from_dlpack(c) for c in corners])
+        # Per output, one DLPack per sample: views of the batch's crops, which DALI copies into its own buffer. Crops
+        # of float16 volumes (device_storage_dtype) are made float32 here: DALI's CPU flip refuses float16.
+        return tuple([to_dlpack(crop) for crop in gather_crops(v, corner, size).float()] for v in self.volumes)
+
+    def cut(self, given: list[Any], corners: Any, crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+        if on_gpu != self.on_gpu:
+            raise ValueError("resident volumes must be on the device the graph runs on")
+        return fn.dl_tensor_python_function(
+            corners.gpu() if on_gpu else corners, function=functools.partial(self._gather, size=crop_size),
+            num_outputs=2, batch_processing=True, synchronize_stream=False, device="gpu" if on_gpu else "cpu",
+            output_layouts=["CDHW", "CDHW"],
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.volumes = ()
+
+
+class NumpyCrops:
+    """Crops read from .npy files by DALI's numpy reader, each a region of interest of the file. The reader
+    reads a fixed number of samples per batch: a short last batch is padded and trimmed by ``DaliLoader``."""
+
+    padded, rotated = True, False
+    layouts: list[str] = []
+
+    def __init__(self, volumes: VolumePair, batch_size: int, threads: int, gpu_direct: bool = False) -> None:
+        files: VolumeFiles = volumes.files
+        self.paths = [str(files.inputs), str(files.targets)]
+        self.dtypes = [volumes.nbody.dtype, volumes.hydro.dtype]
+        self.channels_last = files.npy_layout == "DHWC"
+        self.batch_size, self.gpu_direct, self.threads = batch_size, gpu_direct, threads
+
+    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> list[Any]:
+        return []
+
+    def cut(self, given: list[Any], corners: Any, crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+        out = []
+        for path, dtype in zip(self.paths, self.dtypes):  # noqa: B905 (DALI's autograph knows no strict=)
+            crop = fn.readers.numpy(
+                files=[path] * self.batch_size, roi_start=corners, roi_shape=[crop_size] * 3,
+                roi_axes=[0, 1, 2] if self.channels_last else _SPATIAL, out_of_bounds_policy="error",
+                device="gpu" if self.gpu_direct and on_gpu else "cpu", random_shuffle=False,
+            )  # fmt: skip
+            if on_gpu:
+                crop = crop.gpu()
+            if self.channels_last:
+                crop = fn.transpose(crop, perm=[3, 0, 1, 2], transpose_layout=False)
+            if dtype != np.float32:
+                crop = fn.cast(crop, dtype=types.FLOAT)
+            out.append(fn.reshape(crop, layout="CDHW"))
+        return out[0], out[1]
+
+    def close(self) -> None:
+        pass
+
+
+Crops = BatcherCrops | HostCrops | ResidentCrops | NumpyCrops
+
+
 def _position(info: Any, first_epoch: int, first_batch: int, num_batches: int) -> tuple[int, int]:
     """(epoch, batch) for DALI's (epoch_idx, iteration); the first epoch starts at ``first_batch``."""
     batch = info.iteration + (first_batch if info.epoch_idx == 0 else 0)
@@ -44,21 +199,28 @@ def _position(info: Any, first_epoch: int, first_batch: int, num_batches: int) -
     return first_epoch + info.epoch_idx, batch
 
 
-class _BatcherFeed:
-    """External-source callback: the batcher's batch for DALI's (epoch, iteration), and the arguments
-    of its rotations where the graph rotates (``rotate_here``)."""
+class _Feed:
+    """External-source callback: for DALI's (epoch, iteration), what the crops' source hands over, the corners of
+    the crops and, where the graph rotates, the arguments of the rotations."""
 
-    def __init__(self, batcher: CropBatcher, first_epoch: int, first_batch: int, rotate_here: bool) -> None:
-        self.batcher, self.first_epoch, self.first_batch = batcher, first_epoch, first_batch
-        self.rotate_here = rotate_here
+    def __init__(self, plan: DrawPlan, augmenter: Augmenter, crops: Crops, first_epoch: int, first_batch: int,
+                 rotate_here: bool) -> None:  # fmt: skip
+        self.plan, self.augmenter, self.crops = plan, augmenter, crops
+        self.first_epoch, self.first_batch, self.rotate_here = first_epoch, first_batch, rotate_here
+        self.corners = not isinstance(crops, BatcherCrops)  # the graph cuts the crops at these corners
+        self.num_outputs = len(crops.layouts) + self.corners + (4 if rotate_here else 0)
 
-    def __call__(self, info: Any) -> tuple[np.ndarray, ...]:  # info: nvidia.dali.types.BatchInfo
-        epoch, index = _position(info, self.first_epoch, self.first_batch, self.batcher.plan.num_batches)
-        batch = self.batcher.get(epoch, index)
-        inp, tar, _ = batch.contiguous()
-        if not self.rotate_here:
-            return inp, tar
-        return (inp, tar, *rotation_arrays(batch.draws, self.batcher.augmenter))
+    def __call__(self, info: Any) -> list[Any]:  # info: nvidia.dali.types.BatchInfo
+        epoch, index = _position(info, self.first_epoch, self.first_batch, self.plan.num_batches)
+        draws = self.plan.batch_draws(epoch, index)
+        if self.crops.padded:  # a short last batch, filled up to the reader's batch size with its last sample
+            draws = draws + draws[-1:] * (self.plan.batch_size - len(draws))
+        outputs = self.crops.feed(epoch, index, draws)
+        if self.corners:
+            outputs.append(np.array([d.corner for d in draws], dtype=np.int32))
+        if self.rotate_here:
+            outputs.extend(rotation_arrays(draws, self.augmenter))
+        return outputs
 
 
 def _gather_channels(x, order: tuple[int, ...]):
@@ -93,22 +255,23 @@ def rotate(x, perm_index, flips, sign, num_channels: int, vectors: VectorGroups)
 
 
 @pipeline_def(enable_conditionals=True)
-def _graph(feed: _BatcherFeed, augmenter: Augmenter, rotate_here: bool, on_gpu: bool, dtype, channels_last: bool):
-    num_outputs = 6 if rotate_here else 2
-    layout = "DHWC" if feed.batcher.channels_last else "CDHW"  # the batcher cut channels-last already
-    inp, tar, *args = fn.external_source(
-        feed, num_outputs=num_outputs, batch=True, batch_info=True, no_copy=True,
-        layout=[layout, layout] + [""] * (num_outputs - 2),
+def _graph(feed: _Feed, crop_size: int, on_gpu: bool, dtype, channels_last: bool):
+    crops, augmenter = feed.crops, feed.augmenter
+    nodes = fn.external_source(
+        feed, num_outputs=feed.num_outputs, batch=True, batch_info=True, no_copy=True,
+        layout=crops.layouts + [""] * (feed.num_outputs - len(crops.layouts)),
     )  # fmt: skip
-    if on_gpu:
-        inp, tar = inp.gpu(), tar.gpu()
-    if rotate_here:
+    nodes = list(nodes) if isinstance(nodes, (list, tuple)) else [nodes]
+    given, args = nodes[: len(crops.layouts)], nodes[len(crops.layouts) :]
+    corners = args.pop(0) if feed.corners else None
+    inp, tar = crops.cut(given, corners, crop_size, on_gpu)
+    if feed.rotate_here:
         perm_index, flips, sign_in, sign_out = args
         if on_gpu:
             sign_in, sign_out = sign_in.gpu(), sign_out.gpu()
         inp = rotate(inp, perm_index, flips, sign_in, augmenter.in_channels, augmenter.in_vectors)
         tar = rotate(tar, perm_index, flips, sign_out, augmenter.out_channels, augmenter.out_vectors)
-    if channels_last and layout == "CDHW":  # on the device: one transpose to NDHWC, the model's memory format
+    if channels_last and crops.layouts[:1] != ["DHWC"]:  # one transpose to NDHWC, the model's memory format
         inp = fn.transpose(inp, perm=[1, 2, 3, 0], transpose_layout=False)
         tar = fn.transpose(tar, perm=[1, 2, 3, 0], transpose_layout=False)
     if dtype != types.FLOAT:
@@ -117,14 +280,13 @@ def _graph(feed: _BatcherFeed, augmenter: Augmenter, rotate_here: bool, on_gpu: 
 
 
 class DaliLoader:
-    """Iterates over one epoch of (input, target) NCDHW torch tensors per ``for`` loop.
+    """Iterates over one epoch of (input, target) NCDHW torch tensors per ``for`` loop, made by a DALI graph
+    from ``crops`` (see the module's docstring) on the GPU ``device_id``, or on the CPU where it is None.
 
-    Inputs come in ``dtype`` (the engine's), targets in float32. ``batcher`` cuts the crops on CPU
-    threads; with ``rotate_on_device`` the graph rotates them, otherwise the batcher must have
-    (``rotate_here``). The first epoch (``first_epoch``) starts at batch ``first_batch``: a run resumed
-    part-way through it. With ``channels_last`` the batches are NDHWC in memory (torch's
-    channels_last_3d), as the model then wants. (Volumes resident on a GPU are cut by the torch
-    backend's gather: DALI's GPU external source would copy a batch that lists the same volume per sample.)
+    Inputs come in ``dtype`` (the engine's), targets in float32. The graph rotates the crops unless their
+    source has (``crops.rotated``). The first epoch (``first_epoch``) starts at batch ``first_batch``: a run
+    resumed part-way through it. With ``channels_last`` the batches are NDHWC in memory (torch's
+    channels_last_3d), as the model then wants. ``prefetch`` batches are made ahead.
     """
 
     def __init__(
@@ -132,47 +294,51 @@ class DaliLoader:
         *,
         plan: DrawPlan,
         augmenter: Augmenter,
+        crops: Crops,
         device_id: int | None,
         dtype: torch.dtype,
-        rotate_on_device: bool,
-        batcher: CropBatcher,
         first_epoch: int = 0,
         first_batch: int = 0,
         channels_last: bool = False,
+        prefetch: int = 1,
     ) -> None:
-        if batcher.rotate_here == rotate_on_device and plan.rotate:
-            raise ValueError("exactly one of the batcher and the device must rotate")
-        self.channels_last = channels_last
-        self.batcher = batcher
-        self.num_batches = plan.num_batches
-        self.dtype = dtype
-        rotate_here = rotate_on_device and plan.rotate
+        self.plan, self.crops, self.dtype, self.channels_last = plan, crops, dtype, channels_last
+        self._first_batch = first_batch
+        feed = _Feed(plan, augmenter, crops, first_epoch, first_batch, rotate_here=plan.rotate and not crops.rotated)
         pipe = _graph(
-            feed=_BatcherFeed(batcher, first_epoch, first_batch, rotate_here),
-            augmenter=augmenter,
-            rotate_here=rotate_here,
+            feed=feed,
+            crop_size=plan.crop_size,
             on_gpu=device_id is not None,
             dtype=_DALI_DTYPES[dtype],
             channels_last=channels_last,
             batch_size=plan.batch_size,
-            num_threads=1,  # the graph's CPU work is bookkeeping: crops are cut by the batcher
+            num_threads=crops.threads,
             device_id=device_id,
-            prefetch_queue_depth=1,  # the batcher already works ahead
+            # A batcher works ahead itself and its ring holds two batches for DALI (``batches_held``).
+            prefetch_queue_depth=1 if isinstance(crops, BatcherCrops) else max(1, prefetch),
             seed=0,  # the graph draws nothing itself: all randomness comes from the plan
         )
         # The epoch ends when the feed raises StopIteration; auto_reset starts the next one.
         self._iterator = DALIGenericIterator([pipe], ["inp", "tar"], auto_reset=True)
 
+    @property
+    def batcher(self) -> CropBatcher | None:
+        return self.crops.batcher if isinstance(self.crops, BatcherCrops) else None
+
     def close(self) -> None:
-        """Stop the batcher's threads and the work they had started ahead."""
-        self.batcher.close()
+        """Stop the work the crops' source had started ahead (a batcher's threads)."""
+        self.crops.close()
 
     def __len__(self) -> int:
-        return self.num_batches
+        return self.plan.num_batches
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for batch in self._iterator:
+        first, self._first_batch = self._first_batch, 0
+        for index, batch in enumerate(self._iterator, first):
             inp, tar = batch[0]["inp"], batch[0]["tar"]
+            if self.crops.padded:  # the samples that fill up a short last batch go
+                size = min(self.plan.batch_size, self.plan.num_samples - index * self.plan.batch_size)
+                inp, tar = inp[:size], tar[:size]
             if self.channels_last:  # NDHWC in memory, seen as NCDHW: channels_last_3d strides, no copy
                 inp, tar = inp.permute(0, 4, 1, 2, 3), tar.permute(0, 4, 1, 2, 3)
             if inp.dtype != self.dtype:  # bfloat16 only: one cast kernel per batch (keeps the memory format)

@@ -1,10 +1,11 @@
 """Storage modes and backends put together: the loaders a training run iterates over.
 
 ``lazy`` reads each crop from the files, ``host`` loads the volumes into this process's memory,
-``device`` loads them into GPU memory (float16 optionally, to halve the footprint), where one gather
-per tensor cuts and rotates each batch (``pipeline.torch_backend.DeviceCutter``, whichever the backend),
-with no per-step copy from the host. Rotation happens on the training device: on a GPU by the
-backend's ops; on a CPU while the batcher cuts the crop (one fused copy).
+``device`` loads them into GPU memory (float16 optionally, to halve the footprint), with no per-step copy
+from the host. The DALI backend cuts and rotates inside its graph (``pipeline.dali``; HDF5 files read
+lazily go through the ``CropBatcher``'s threads, as DALI has no HDF5 reader); the torch backend cuts on
+the batcher's threads (rotating in the same copy on a CPU) or, for ``device``, by one gather on the GPU
+(``pipeline.torch_backend``). Either way, the rotation happens on the training device.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 Storage = Literal["lazy", "host", "device"]
 Backend = Literal["dali", "torch"]
+Auto = Literal["auto"]
 
 _GIB = 2**30
 
@@ -48,6 +50,7 @@ class LoaderSettings:
     threads: int
     lookahead: int
     channels_last: bool = False
+    gpu_direct_storage: bool = False
 
 
 def effective_storage(storage: Storage, device_type: str) -> Storage:
@@ -58,11 +61,20 @@ def effective_storage(storage: Storage, device_type: str) -> Storage:
     return storage
 
 
-def crop_backend(backend: Backend, storage: Storage) -> Backend:
-    """The backend that really cuts the crops, for an effective ``storage``: volumes resident on the GPU are
-    cut by the torch backend's gather whichever the backend (DALI's GPU external source would copy a batch
-    that lists the same volume once per sample)."""
-    return "torch" if storage == "device" else backend
+def resolve_backend(backend: Backend | Auto, device_type: str) -> Backend:
+    """``auto`` is DALI on a GPU, where it cuts and rotates on the device, and torch on a CPU, where the batcher's
+    single fused copy measured about 4x faster than DALI's CPU operators at 64^3 (docs/benchmarks.md)."""
+    if backend != "auto":
+        return backend
+    return "dali" if device_type == "cuda" else "torch"
+
+
+def uses_batcher(backend: Backend, storage: Storage, data_format: str) -> bool:
+    """Whether the Python ``CropBatcher`` cuts the crops: always on the torch backend's host paths; on DALI's only
+    for HDF5 files read lazily (DALI reads .npy files and slices volumes in memory itself, but has no HDF5 reader)."""
+    if backend == "torch":
+        return storage != "device"
+    return storage == "lazy" and data_format == "hdf5"
 
 
 def batches_held(backend: Backend) -> int:
@@ -71,12 +83,18 @@ def batches_held(backend: Backend) -> int:
     return 2 if backend == "dali" else 1
 
 
-def batch_buffer_bytes(storage: Storage, settings: LoaderSettings, batch: int, crop: int, channels: int) -> int:
-    """Host memory of one rank's batcher rings, for the training and the validation loader (``channels``: input
-    plus target): none where the volumes are cut on the device."""
+def batch_buffer_bytes(
+    storage: Storage, settings: LoaderSettings, batch: int, crop: int, channels: int, data_format: str = "hdf5"
+) -> int:
+    """Host memory of one rank's batch buffers, for the training and the validation loader (``channels``: input
+    plus target): the batchers' rings, or DALI's own buffers (its prefetched batches, about one batch per stage of
+    the graph); none where the volumes are cut on the device."""
     if storage == "device":
         return 0
-    slots = ring_slots(settings.lookahead, batches_held(crop_backend(settings.backend, storage)))
+    if uses_batcher(settings.backend, storage, data_format):
+        slots = ring_slots(settings.lookahead, batches_held(settings.backend))
+    else:
+        slots = settings.lookahead + 3  # prefetched batches, the slice and the rotation's passes
     return 2 * slots * batch * channels * crop**3 * 4
 
 
@@ -141,7 +159,7 @@ def to_device(volumes: VolumePair, device: torch.device, dtype: str) -> tuple[to
     for volume, volume_dtype in ((volumes.nbody, getattr(torch, dtype)), (volumes.hydro, torch.float32)):
         out = torch.empty(tuple(volume.shape), dtype=volume_dtype, device=device)
         for c in range(volume.shape[0]):
-            out[c].copy_(torch.from_numpy(np.ascontiguousarray(volume[c], dtype=np.float32)))
+            out[c].copy_(torch.from_numpy(np.array(volume[c], dtype=np.float32)))  # a copy: memory maps are read-only
         resident.append(out)
     return resident[0], resident[1]
 
@@ -163,26 +181,39 @@ def build_loader(
     """
     on_gpu = device.type == "cuda"
     common = dict(
-        plan=plan, augmenter=augmenter, dtype=dtype, rotate_on_device=on_gpu, first_epoch=first_epoch,
-        first_batch=first_batch, channels_last=settings.channels_last,
+        plan=plan, augmenter=augmenter, dtype=dtype, first_epoch=first_epoch, first_batch=first_batch,
+        channels_last=settings.channels_last,
     )  # fmt: skip
-    from pipeline.torch_backend import TorchLoader, pinned_buffer
-
-    backend = crop_backend(settings.backend, storage)
-    if storage == "device":  # one gather per tensor cuts and rotates the batch on the GPU
-        return TorchLoader(device=device, resident=to_device(volumes, device, settings.device_storage_dtype), **common)
+    resident = to_device(volumes, device, settings.device_storage_dtype) if storage == "device" else None
     source = volumes.load() if storage == "host" else volumes
-    hold = batches_held(backend)
-    # Cut straight into NDHWC buffers for channels-last batches, where the CPU does the rotation; where the
-    # device rotates, it also moves the channels.
-    channels_last = settings.channels_last and not on_gpu
-    # The torch backend uploads straight from the batcher's buffers, pinned on a GPU; DALI stages its own.
-    allocate = {"allocate": pinned_buffer} if on_gpu and backend == "torch" else {}
-    batcher = CropBatcher(
-        source, plan, augmenter, not on_gpu, settings.threads, settings.lookahead, hold, channels_last, **allocate
-    )
-    if backend == "dali":
-        from pipeline.dali import DaliLoader  # imported here: machines without DALI use the torch backend
+    batcher = None
+    if uses_batcher(settings.backend, storage, volumes.files.format):
+        from pipeline.torch_backend import pinned_buffer
 
-        return DaliLoader(device_id=device.index if on_gpu else None, batcher=batcher, **common)
-    return TorchLoader(device=device, batcher=batcher, **common)
+        # Cut straight into NDHWC buffers for channels-last batches, where the CPU does the rotation; where the
+        # device rotates, it also moves the channels. The torch backend uploads straight from the batcher's
+        # buffers, pinned on a GPU; DALI stages its own.
+        channels_last = settings.channels_last and not on_gpu
+        allocate = {"allocate": pinned_buffer} if on_gpu and settings.backend == "torch" else {}
+        hold = batches_held(settings.backend)
+        batcher = CropBatcher(
+            source, plan, augmenter, not on_gpu, settings.threads, settings.lookahead, hold, channels_last, **allocate
+        )
+    if settings.backend == "torch":
+        from pipeline.torch_backend import TorchLoader
+
+        rotate = on_gpu or resident is not None  # resident volumes are cut (and rotated) by the gather
+        return TorchLoader(device=device, batcher=batcher, resident=resident, rotate_on_device=rotate, **common)
+    from pipeline import dali  # imported here: machines without DALI use the torch backend
+
+    if batcher is not None:
+        crops = dali.BatcherCrops(batcher)
+    elif resident is not None:
+        crops = dali.ResidentCrops(*resident)
+    elif storage == "host":
+        crops = dali.HostCrops(source, settings.threads)
+    else:
+        crops = dali.NumpyCrops(volumes, plan.batch_size, settings.threads, settings.gpu_direct_storage)
+    return dali.DaliLoader(
+        crops=crops, device_id=device.index if on_gpu else None, prefetch=settings.lookahead, **common
+    )

@@ -25,6 +25,18 @@ def pinned_buffer(shape: tuple[int, ...]) -> np.ndarray:
     return torch.empty(shape, dtype=torch.float32, pin_memory=True).numpy()
 
 
+def gather_crops(volume: torch.Tensor, corners: torch.Tensor, size: int) -> torch.Tensor:
+    """The (B, C, S, S, S) crops of a (C, L, L, L) volume at ``corners`` ((B, 3) on the volume's device), as they
+    lie: one gather for the whole batch, no per-sample kernels and no copy of the volume."""
+    channels, extent, batch = volume.shape[0], volume.shape[-1], len(corners)
+    strides = torch.tensor([extent**2, extent, 1], device=volume.device)
+    offsets = (corners.long()[:, :, None] + torch.arange(size, device=volume.device)) * strides[:, None]  # (B, 3, S)
+    spatial = offsets[:, 0, :, None, None] + offsets[:, 1, None, :, None] + offsets[:, 2, None, None, :]
+    flat = volume.reshape(1, channels, extent**3).expand(batch, -1, -1)  # one volume serves every sample
+    taken = torch.gather(flat, 2, spatial.view(batch, 1, size**3).expand(-1, channels, -1))
+    return taken.view(batch, channels, size, size, size)
+
+
 class DeviceCutter:
     """Cuts and rotates the crops of a batch on the device: two gathers and one multiply per tensor.
 

@@ -53,19 +53,24 @@ def test_channels_last_on_the_device_paths(volumes, backend, source, rotate):
     plan = PLAN if rotate else DrawPlan(seed=0, num_samples=20, batch_size=8, box_size=32, crop_size=CROP, rotate=False)
     outputs = {}
     for channels_last in (False, True):
-        common = dict(plan=plan, augmenter=AUG, dtype=torch.float32, rotate_on_device=True, channels_last=channels_last)
-        if source == "batcher":
-            feed = dict(batcher=CropBatcher(volumes, plan, AUG, rotate_here=False, threads=1, lookahead=1, hold=2))
-        else:  # cut by the torch backend's gather, whichever the backend (build_loader)
-            feed = dict(resident=to_device(volumes, CPU, "float32"))
-        if backend == "dali" and source == "batcher":
-            from pipeline.dali import DaliLoader
+        common = dict(plan=plan, augmenter=AUG, dtype=torch.float32, channels_last=channels_last)
+        resident = to_device(volumes, CPU, "float32")
+        if backend == "dali":
+            from pipeline.dali import BatcherCrops, DaliLoader, ResidentCrops
 
-            loader = DaliLoader(device_id=None, **common, **feed)
+            if source == "batcher":
+                crops = BatcherCrops(CropBatcher(volumes, plan, AUG, rotate_here=False, threads=1, lookahead=1, hold=2))
+            else:
+                crops = ResidentCrops(*resident)
+            loader = DaliLoader(crops=crops, device_id=None, **common)
         else:
             from pipeline.torch_backend import TorchLoader
 
-            loader = TorchLoader(device=CPU, **common, **feed)
+            if source == "batcher":
+                feed = dict(batcher=CropBatcher(volumes, plan, AUG, rotate_here=False, threads=1, lookahead=1, hold=1))
+            else:
+                feed = dict(resident=resident)
+            loader = TorchLoader(device=CPU, rotate_on_device=True, **feed, **common)
         outputs[channels_last] = _epoch(loader)
     for (a_inp, a_tar), (b_inp, b_tar) in zip(outputs[False], outputs[True], strict=True):
         assert b_inp.is_contiguous(memory_format=CHANNELS_LAST) and torch.equal(a_inp, b_inp) and torch.equal(a_tar, b_tar)

@@ -86,7 +86,14 @@ class Config:
         "precision of the input volume kept on the GPU (storage device); float16 halves it (the targets stay float32, "
         "the precision of the loss)"
     )
-    backend: Literal["dali", "torch"] = _field("dali", "dali: DALI pipelines; torch: the same samples with torch ops")
+    backend: Literal["auto", "dali", "torch"] = _field(
+        "auto",
+        "dali: DALI pipelines make the samples; torch: the same samples from threads and torch ops; auto: dali on a "
+        "GPU, torch on a CPU (measured faster there)",
+    )
+    gpu_direct_storage: bool = _field(
+        False, "lazy .npy storage with the dali backend on a GPU: read crops straight into GPU memory (GPUDirect Storage)"
+    )
     data_size: int = _field(64, "side of the training crops in voxels")
     Nsamples: int = _field(65536, "training samples per epoch (over all ranks)")
     Nsamples_val: int = _field(8192, "validation samples per evaluation (over all ranks)")

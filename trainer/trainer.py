@@ -38,9 +38,9 @@ from pipeline.loaders import (
     batch_buffer_bytes,
     build_loader,
     check_memory,
-    crop_backend,
     dali_installed,
     effective_storage,
+    resolve_backend,
 )
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import ensure_boxes
@@ -167,10 +167,17 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     return Device(device_type, index)
 
 
-def unused_data_keys(cfg: Config, storage: str) -> list[str]:
-    """Keys set away from their defaults that the effective ``storage`` mode does not use: the CPU threads and
-    their lookahead cut nothing when the GPU cuts the crops, and only volumes on the GPU have a dtype of their own."""
-    unused = ["num_data_workers", "data_prefetch"] if storage == "device" else ["device_storage_dtype"]
+def unused_data_keys(cfg: Config, storage: str, backend: str, device_type: str) -> list[str]:
+    """Keys set away from their defaults that the effective ``storage`` mode and ``backend`` do not use: the CPU
+    threads cut nothing when the GPU cuts the crops (DALI still prefetches batches there, the torch backend does
+    not), only volumes on the GPU have a dtype of their own, and only DALI's numpy reader on a GPU reads through
+    GPUDirect Storage."""
+    if storage == "device":
+        unused = ["num_data_workers"] + (["data_prefetch"] if backend == "torch" else [])
+    else:
+        unused = ["device_storage_dtype"]
+    if not (storage == "lazy" and cfg.data_format == "npy" and backend == "dali" and device_type == "cuda"):
+        unused.append("gpu_direct_storage")
     defaults = {f.name: f.default for f in dataclasses.fields(Config)}
     return [key for key in unused if getattr(cfg, key) != defaults[key]]
 
@@ -249,9 +256,9 @@ class Trainer:
         self.stop_after_epoch = stop_after_epoch
         self.stop = stop
         self.storage = effective_storage(cfg.storage, device.type)
-        self.backend = crop_backend(cfg.backend, self.storage)
-        if self.backend != cfg.backend:
-            log.info("storage: device: crops are cut and rotated on the GPU by one gather per batch (torch backend)")
+        self.backend = resolve_backend(cfg.backend, device.type)
+        if cfg.backend == "auto":
+            log.info("backend: %s (auto, on a %s)", self.backend, "GPU" if device.type == "cuda" else "CPU")
         if self.backend == "dali" and not dali_installed():
             raise ConfigError(
                 "backend: dali needs NVIDIA DALI, not installed here (requirements.txt); or set backend: torch"
@@ -266,8 +273,8 @@ class Trainer:
                 log.warning("cpu_threads has no effect when training on a GPU")
         if cfg.science_box_size is not None and not cfg.science_every_epochs:
             log.warning("science_box_size has no effect without science_every_epochs")
-        for key in unused_data_keys(cfg, self.storage):
-            log.warning("%s has no effect with storage '%s'", key, self.storage)
+        for key in unused_data_keys(cfg, self.storage, self.backend, device.type):
+            log.warning("%s has no effect with storage '%s' (backend %s)", key, self.storage, self.backend)
         # Bad data, and data that cannot fit, are found before the engine is built, not after.
         self.train_volumes, self.val_volumes = (
             VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, cfg.data_size)
@@ -280,12 +287,13 @@ class Trainer:
             for volumes in (self.train_volumes, self.val_volumes):
                 volumes.check_finite(cfg.data_size, seed=cfg.seed)
         self.loader_settings = LoaderSettings(
-            cfg.backend, cfg.storage, cfg.device_storage_dtype, cfg.num_data_workers, cfg.data_prefetch, cfg.channels_last
-        )
+            self.backend, cfg.storage, cfg.device_storage_dtype, cfg.num_data_workers, cfg.data_prefetch,
+            cfg.channels_last, cfg.gpu_direct_storage,
+        )  # fmt: skip
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size)
-        buffers = batch_buffer_bytes(
-            self.storage, self.loader_settings, plan.micro_batch, cfg.data_size, cfg.N_in_channels + cfg.N_out_channels
-        )
+        channels = cfg.N_in_channels + cfg.N_out_channels
+        buffers = batch_buffer_bytes(self.storage, self.loader_settings, plan.micro_batch, cfg.data_size, channels,
+                                     cfg.data_format)  # fmt: skip
         volumes = [self.train_volumes, self.val_volumes]
         check_memory(self.storage, volumes, self.loader_settings, dist.local_world_size, buffers)
 
