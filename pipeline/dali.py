@@ -170,12 +170,13 @@ class NumpyCrops:
     def cut(self, given: list[Any], corners: Any, crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
         out = []
         for path, dtype in zip(self.paths, self.dtypes):  # noqa: B905 (DALI's autograph knows no strict=)
+            direct = self.gpu_direct and on_gpu  # read into GPU memory through cuFile (GPUDirect Storage)
             crop = fn.readers.numpy(
                 files=[path] * self.batch_size, roi_start=corners, roi_shape=[crop_size] * 3,
                 roi_axes=[0, 1, 2] if self.channels_last else _SPATIAL, out_of_bounds_policy="error",
-                device="gpu" if self.gpu_direct and on_gpu else "cpu", random_shuffle=False,
+                device="gpu" if direct else "cpu", random_shuffle=False,
             )  # fmt: skip
-            if on_gpu:
+            if on_gpu and not direct:
                 crop = crop.gpu()
             if self.channels_last:
                 crop = fn.transpose(crop, perm=[3, 0, 1, 2], transpose_layout=False)
