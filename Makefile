@@ -1,5 +1,6 @@
 # make train:       set up .venv and train the built-in debug config (synthetic data, CPU if no GPU)
 # make test:        set up .venv and run the test suite
+# make lint:        ruff's checks and its formatter's (the settings are in pyproject.toml)
 # make data:        write the synthetic train/val boxes to data/synthetic/ (the trainer also does it on first use)
 # make tensorboard: serve the runs' TensorBoard events (RUNS=runs, PORT=6006)
 #
@@ -14,7 +15,7 @@ PORT ?= 6006
 BIN := $(VENV)/bin
 TORCH_PIN := $(shell grep -E '^torch==' requirements.txt)
 
-.PHONY: setup train test data tensorboard
+.PHONY: setup train test lint data tensorboard
 setup: $(VENV)/.installed
 
 # torch goes in first and alone, so that nothing resolves it to another build.
@@ -29,6 +30,10 @@ train: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 data: setup
 	$(BIN)/python -m pipeline.synthetic --out_dir data/synthetic

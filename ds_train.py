@@ -48,15 +48,25 @@ SET_ASIDE = ".overwritten"
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
     """Fixed options, plus every config key as an override (returned as dotted key -> raw value)."""
-    parser = config_parser("ds_train.py", __doc__.split("\n\n")[0], sys.argv[1:] if argv is None else argv,
-                           usage="%(prog)s [--config NAME] [--run_dir DIR] [--resume | --overwrite] [--KEY VALUE ...]")
+    parser = config_parser(
+        "ds_train.py",
+        __doc__.split("\n\n")[0],
+        sys.argv[1:] if argv is None else argv,
+        usage="%(prog)s [--config NAME] [--run_dir DIR] [--resume | --overwrite] [--KEY VALUE ...]",
+    )
     parser.add_argument("--run_dir", type=output_dir, help="run directory (default: runs/<config>-<date>-<time>)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --run_dir from its latest checkpoint")
-    parser.add_argument("--overwrite", action="store_true", help="start afresh in a --run_dir that holds an earlier run, deleting it")
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the run in --run_dir from its latest checkpoint"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="start afresh in a --run_dir that holds an earlier run, deleting it"
+    )
     parser.add_argument(
         "--allow_config_change", action="store_true", help="with --resume: accept settings that change the training"
     )
-    parser.add_argument("--stop_after_epoch", type=int, help="stop after this epoch; the schedule still spans num_epochs")
+    parser.add_argument(
+        "--stop_after_epoch", type=int, help="stop after this epoch; the schedule still spans num_epochs"
+    )
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return parse_config_options(parser, argv)
 
@@ -76,7 +86,9 @@ def resolve_config(args: argparse.Namespace, overrides: dict[str, str]) -> tuple
     harmless, changing = changes_on_resume(saved["config"], cfg)
     listing = lambda diff: ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())  # noqa: E731
     if changing and not args.allow_config_change:
-        raise ConfigError(f"resuming with settings that change the training: {listing(changing)} (--allow_config_change accepts them)")
+        raise ConfigError(
+            f"resuming with settings that change the training: {listing(changing)} (--allow_config_change accepts them)"
+        )
     if harmless or changing:
         log.warning("resuming with changed settings: %s", listing({**harmless, **changing}))
     return saved["name"], cfg
@@ -159,11 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(dist.rank)
         name, cfg = resolve_config(args, overrides)
         device = init_distributed(dist, cfg.dist_timeout_s)
-        started = {"launcher": "a launcher's variables", "slurm": "srun's variables", "single": "no launcher"}[dist.source]
+        started = {"launcher": "a launcher's variables", "slurm": "srun's variables", "single": "no launcher"}[
+            dist.source
+        ]
         log.info(
             "rank %d of %d (local rank %d of %d on this node), from %s",
-            dist.rank, dist.world_size, dist.local_rank, dist.local_world_size, started,
-        )  # fmt: skip
+            dist.rank,
+            dist.world_size,
+            dist.local_rank,
+            dist.local_world_size,
+            started,
+        )
         run_dir, set_aside = resolve_run_dir(args, name, dist)
         if dist.is_main:
             handler = logging.FileHandler(run_dir / "train.log")

@@ -5,9 +5,9 @@ reference's way of loading, in the same run, on the same file and the same cores
     python -m bench.pipeline --report              # regenerate the table in docs/benchmarks.md from the results
 
 The limit is a plain copy of the same crops out of the volumes in memory (same threads, no rotation): the memory
-bandwidth every case is held against. The baseline is built the way NERSC's tutorial loads data: a PyTorch DataLoader whose worker
-processes (as many as the pipeline's threads) each read a crop from the HDF5 file with h5py,
-rotate it with numpy views and copy it, and collate batches (then moved to the GPU, if any). It
+bandwidth every case is held against. The baseline is built the way NERSC's tutorial loads data: a PyTorch
+DataLoader whose worker processes (as many as the pipeline's threads) each read a crop from the HDF5 file with
+h5py, rotate it with numpy views and copy it, and collate batches (then moved to the GPU, if any). It
 also turns the velocity channels, which the tutorial forgot, so both sides do the same work.
 Each case discards warm-up batches, then times whole batches; samples/s is samples over wall time,
 the median over repeats that go round all cases in turn.
@@ -28,8 +28,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from bench.env import REPO, append_records, environment, read_records
 from pipeline.cli import ArgumentParser, existing_file, output_file
-from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
 from pipeline.convert import convert
+from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
 from pipeline.loaders import LoaderSettings, build_loader
 from pipeline.rotations import ROTATIONS, channel_order, channel_signs
 from pipeline.sampling import Augmenter, DrawPlan
@@ -147,13 +147,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         volumes = VolumePair.open(VolumeFiles.hdf5(path), 4, 5, crop)
         npy_volumes = VolumePair.open(VolumeFiles.npy(f"{npy}_data.npy", f"{npy}_label.npy", "CDHW"), 4, 5, crop)
         total = args.batch * (args.warmup + args.batches)
-        plan = DrawPlan(seed=0, num_samples=total, batch_size=args.batch, box_size=volumes.box_size, crop_size=crop, rotate=True)
+        plan = DrawPlan(
+            seed=0, num_samples=total, batch_size=args.batch, box_size=volumes.box_size, crop_size=crop, rotate=True
+        )
 
         def baseline(plan: DrawPlan = plan) -> Any:
             loader = DataLoader(
-                ReferenceStyleCrops(path, plan), batch_size=args.batch, num_workers=args.threads,
+                ReferenceStyleCrops(path, plan),
+                batch_size=args.batch,
+                num_workers=args.threads,
                 pin_memory=device.type == "cuda",
-            )  # fmt: skip
+            )
             return ((inp.to(device), tar.to(device)) for inp, tar in loader)
 
         in_memory = volumes.load()
@@ -166,7 +170,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 storage = case.removesuffix("-npy")
                 settings = LoaderSettings(backend, storage, "float16", args.threads, lookahead=2)
                 v = npy_volumes if case.endswith("-npy") else volumes
-                cases[f"{backend}-{case}"] = lambda s=settings, v=v, p=plan: build_loader(v, p, AUG, s, s.storage, device, dtype)
+                cases[f"{backend}-{case}"] = lambda s=settings, v=v, p=plan: build_loader(
+                    v, p, AUG, s, s.storage, device, dtype
+                )
         # Repeats go round all cases, so that drift on a shared machine spreads over every case alike.
         results: dict[str, list[dict[str, float]]] = {case: [] for case in cases}
         for repeat in range(args.repeats):
@@ -174,16 +180,30 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 batches = make()
                 results[case].append(_time_batches(batches, args.warmup, args.batches, device, args.batch))
                 batches.close()  # its work ahead must not overlap the next case's timing
-                print(f"crop {crop}^3, {case}, repeat {repeat + 1}: {results[case][-1]['samples_per_s']:.1f} samples/s", flush=True)
+                print(
+                    f"crop {crop}^3, {case}, repeat {repeat + 1}: {results[case][-1]['samples_per_s']:.1f} samples/s",
+                    flush=True,
+                )
                 rates = [r["samples_per_s"] for r in results[case]]
                 backend, _, storage = case.partition("-")
-                records.append({
-                    "bench": "pipeline", "case": case, "backend": backend, "storage": storage or "lazy",
-                    "crop": crop, "batch": args.batch, "threads": args.threads,
-                    "dtype": str(dtype).removeprefix("torch."), "box": volumes.box_size, "repeats": len(rates),
-                    "samples_per_s": statistics.median(rates), "samples_per_s_min": min(rates),
-                    "samples_per_s_max": max(rates), **env,
-                })  # fmt: skip
+                records.append(
+                    {
+                        "bench": "pipeline",
+                        "case": case,
+                        "backend": backend,
+                        "storage": storage or "lazy",
+                        "crop": crop,
+                        "batch": args.batch,
+                        "threads": args.threads,
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "box": volumes.box_size,
+                        "repeats": len(rates),
+                        "samples_per_s": statistics.median(rates),
+                        "samples_per_s_min": min(rates),
+                        "samples_per_s_max": max(rates),
+                        **env,
+                    }
+                )
                 append_records(args.out, records[-1:])
     return records
 
@@ -206,8 +226,8 @@ def table(records: list[dict[str, Any]]) -> str:
         first = rows[0]
         lines += [
             f"{device} ({first['cpu']}, {first['cores']} cores), {first['box']}^3 box, batch {first['batch']}, "
-            f"{first['threads']} threads/workers, {first['dtype']} inputs; torch {first['torch']}, DALI {first['dali']}, "
-            f"measured {first['time']}",
+            f"{first['threads']} threads/workers, {first['dtype']} inputs; torch {first['torch']}, "
+            f"DALI {first['dali']}, measured {first['time']}",
             "",
             "| crop | case | samples/s (median) | min - max | vs baseline | of the limit |",
             "| --- | --- | ---: | ---: | ---: | ---: |",
@@ -218,7 +238,9 @@ def table(records: list[dict[str, Any]]) -> str:
                 spread = f"{r['samples_per_s_min']:.0f} - {r['samples_per_s_max']:.0f}"
                 of_limit = f"{r['samples_per_s'] / rate['limit']:.0%}" if "limit" in rate else "-"
                 vs_baseline = f"{r['samples_per_s'] / rate['baseline']:.2f}x" if "baseline" in rate else "-"
-                lines.append(f"| {crop}^3 | {r['case']} | {r['samples_per_s']:.1f} | {spread} | {vs_baseline} | {of_limit} |")
+                lines.append(
+                    f"| {crop}^3 | {r['case']} | {r['samples_per_s']:.1f} | {spread} | {vs_baseline} | {of_limit} |"
+                )
         lines.append("")
     return "\n".join(lines)
 
@@ -234,19 +256,35 @@ def update_doc(doc: Path, text: str, name: str = "pipeline") -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m bench.pipeline", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", type=output_file, default=REPO / "data" / "bench" / "train_256.h5", help="HDF5 box (written if missing)")
+    parser.add_argument(
+        "--data",
+        type=output_file,
+        default=REPO / "data" / "bench" / "train_256.h5",
+        help="HDF5 box (written if missing)",
+    )
     parser.add_argument("--box", type=int, default=256, help="side of the synthetic box written when --data is missing")
     parser.add_argument("--crops", type=int, nargs="+", default=[32, 64])
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=len(__import__("os").sched_getaffinity(0)), help="pipeline threads = baseline workers")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(__import__("os").sched_getaffinity(0)),
+        help="pipeline threads = baseline workers",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="batches discarded before timing")
     parser.add_argument("--batches", type=int, default=20, help="batches timed per case and repeat")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case; the median is reported")
     parser.add_argument("--no_dali", action="store_true", help="torch backend only (machines without DALI)")
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
-    parser.add_argument("--report", action="store_true", help=f"only regenerate the table in {DOC.relative_to(REPO)} from --out")
-    parser.add_argument("--doc", type=existing_file, help=f"markdown page whose table to regenerate (default: {DOC.relative_to(REPO)}, "
-                        "with --report or when --out is the default results file)")  # fmt: skip
+    parser.add_argument(
+        "--report", action="store_true", help=f"only regenerate the table in {DOC.relative_to(REPO)} from --out"
+    )
+    parser.add_argument(
+        "--doc",
+        type=existing_file,
+        help=f"markdown page whose table to regenerate (default: {DOC.relative_to(REPO)}, "
+        "with --report or when --out is the default results file)",
+    )
     args = parser.parse_args(argv)
     if not args.report:
         run(args)

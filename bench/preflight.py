@@ -72,7 +72,9 @@ def problems(dali: bool, gpu: bool) -> tuple[list[str], list[str]]:
         except metadata.PackageNotFoundError:
             continue  # importable without metadata (a source tree on PYTHONPATH): nothing to compare
         if distribution in MINIMUMS and _release(have) < _release(MINIMUMS[distribution]):
-            found.append(f"{module} {have} is older than the {MINIMUMS[distribution]} the project needs ({distribution})")
+            found.append(
+                f"{module} {have} is older than the {MINIMUMS[distribution]} the project needs ({distribution})"
+            )
         elif (want := pinned(distribution)) and _release(have) < _release(want):
             older.append(f"{distribution} {have} (pinned: {want})")
     if importlib.util.find_spec("torch") is None:

@@ -48,7 +48,9 @@ def engine_overhead(rows: list[dict[str, Any]]) -> list[tuple[str, float]]:
     ratios = []
     for r in rows:
         if r["mode"] == "synthetic" and r["sweep"] in ("baseline", "precision"):
-            plain = next((p for p in rows if p["mode"] == "plain" and p["case"] == r["case"] and p["sweep"] == r["sweep"]), None)
+            plain = next(
+                (p for p in rows if p["mode"] == "plain" and p["case"] == r["case"] and p["sweep"] == r["sweep"]), None
+            )
             if plain:
                 ratios.append((r["precision"], r["step_ms_p50"] / plain["step_ms_p50"]))
     return ratios
@@ -61,16 +63,21 @@ def _fmt(value: Any, digits: int = 1) -> str:
 def table(device: str, rows: list[dict[str, Any]]) -> str:
     first = rows[0]
     lines = [
-        f"**{device}** ({first['cpu']}, {first['cores']} cores); torch {first['torch']}, DeepSpeed {first['deepspeed']}, "
-        f"run {first['run_id']}; {first['timed_steps']} timed steps after {first['warmup_steps']} "
-        f"discarded; model width {first['unet_width']}, depth {first['unet_depth']}, {first['crop']}^3 crops, "
+        f"**{device}** ({first['cpu']}, {first['cores']} cores); torch {first['torch']}, "
+        f"DeepSpeed {first['deepspeed']}, run {first['run_id']}; {first['timed_steps']} timed steps after "
+        f"{first['warmup_steps']} discarded; model width {first['unet_width']}, depth {first['unet_depth']}, "
+        f"{first['crop']}^3 crops, "
         f"{first['train_flops_per_sample'] / 1e9:.2f} GFLOP per training sample (counted from the model).",
         "",
     ]
     for precision, ratio in engine_overhead(rows):
-        lines.append(f"- DeepSpeed engine step / plain PyTorch step ({precision}, same model and batch): **{ratio:.3f}**")
+        lines.append(
+            f"- DeepSpeed engine step / plain PyTorch step ({precision}, same model and batch): **{ratio:.3f}**"
+        )
     scaling_sweeps = sorted({r["sweep"] for r in rows if r["sweep"].startswith(("weak", "strong"))})
-    for sweep, mode, who in [(s, "synthetic", "DeepSpeed") for s in scaling_sweeps] + [("weak", "plain", "plain PyTorch DDP")]:
+    for sweep, mode, who in [(s, "synthetic", "DeepSpeed") for s in scaling_sweeps] + [
+        ("weak", "plain", "plain PyTorch DDP")
+    ]:
         points = scaling(rows, sweep, mode)
         if len(points) > 1:
             lines.append(
@@ -79,17 +86,20 @@ def table(device: str, rows: list[dict[str, Any]]) -> str:
             )
     lines += [
         "",
-        "| sweep | case | mode | ranks | micro x acc / global | precision | samples/s | step ms p50 / p90 / p99 | fwd / bwd / opt ms | data wait | memory GiB | TFLOP/s | MFU |",
+        "| sweep | case | mode | ranks | micro x acc / global | precision | samples/s | step ms p50 / p90 / p99 "
+        "| fwd / bwd / opt ms | data wait | memory GiB | TFLOP/s | MFU |",
         "| --- | --- | --- | ---: | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         phases = " / ".join(_fmt(r.get(f"{p}_ms_p50")) for p in ("forward", "backward", "optimizer"))
         run = f" (run {r['repeat'] + 1})" if r.get("repeat") else ""
         lines.append(
-            f"| {r['sweep']} | {r['case']}{run} | {r['mode']} | {r['world_size']} | {r['micro_batch']} x {r['accumulation']} / "
-            f"{r['global_batch']} | {r['precision']} | {r['samples_per_s']:.1f} | {r['step_ms_p50']:.0f} / "
+            f"| {r['sweep']} | {r['case']}{run} | {r['mode']} | {r['world_size']} | "
+            f"{r['micro_batch']} x {r['accumulation']} / {r['global_batch']} | {r['precision']} | "
+            f"{r['samples_per_s']:.1f} | {r['step_ms_p50']:.0f} / "
             f"{r['step_ms_p90']:.0f} / {r['step_ms_p99']:.0f} | {phases} | {r['data_wait_pct']:.0f}% | "
-            f"{r['mem_peak_gib']:.2f} ({r['mem_kind']}) | {_fmt(r.get('achieved_tflops'), 3)} | {_fmt(r.get('mfu'), 3)} |"
+            f"{r['mem_peak_gib']:.2f} ({r['mem_kind']}) | {_fmt(r.get('achieved_tflops'), 3)} | "
+            f"{_fmt(r.get('mfu'), 3)} |"
         )
     peaks = sorted({r["peak_source"] for r in rows if r.get("peak_source")})
     lines += ["", "Peaks for MFU: " + "; ".join(peaks) + "."] if peaks else []
@@ -122,13 +132,15 @@ def plots(device: str, rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     written.append(_save(fig, device, out_dir / f"scaling_{slug}.png"))
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    phased = [r for r in rows if r.get("forward_ms_p50") is not None and r["sweep"] in ("baseline", "precision", "speed")]
+    phased = [
+        r for r in rows if r.get("forward_ms_p50") is not None and r["sweep"] in ("baseline", "precision", "speed")
+    ]
     labels = [f"{r['case']}\n{r['mode']}" for r in phased]
     bottom = [0.0] * len(phased)
     for phase in ("forward", "backward", "optimizer"):
         values = [r[f"{phase}_ms_p50"] for r in phased]
         left.bar(labels, values, bottom=bottom, label=phase)
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     left.set(ylabel="ms per optimizer step (p50)", title="Step time breakdown")
     left.legend()
     micro = sorted((r["micro_batch"], r["samples_per_s"]) for r in rows if r["sweep"] == "micro-batch")

@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--config", default="debug")
     parser.add_argument("--report", type=existing_dir, help="only report on this existing run directory")
-    parser.add_argument("--commit", help="the commit the reported run was made with, where its config.json does not say")
+    parser.add_argument(
+        "--commit", help="the commit the reported run was made with, where its config.json does not say"
+    )
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     args = parser.parse_args(argv)
     if args.minutes <= 0:
@@ -62,7 +64,16 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = args.report
     if run_dir is None:
         run_dir = REPO / "runs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
-        cmd = [sys.executable, "ds_train.py", "--config", args.config, "--num_epochs", "100000", "--run_dir", str(run_dir)]
+        cmd = [
+            sys.executable,
+            "ds_train.py",
+            "--config",
+            args.config,
+            "--num_epochs",
+            "100000",
+            "--run_dir",
+            str(run_dir),
+        ]
         proc = subprocess.Popen(cmd, cwd=REPO)
         try:
             code = proc.wait(timeout=args.minutes * 60)

@@ -31,7 +31,11 @@ from pipeline.synthetic import ensure_boxes
 from trainer.config import Config, ConfigError, parse_value
 from trainer.engine import TORCH_FUSED_ADAM, load_ds_template, merge_settings, plan_batches, resolve_ds_config
 
-PRECISION_JSON = {"fp32": "ds_configs/ds_fp32.json", "bf16": "ds_configs/ds_bf16.json", "fp16": "ds_configs/ds_fp16.json"}
+PRECISION_JSON = {
+    "fp32": "ds_configs/ds_fp32.json",
+    "bf16": "ds_configs/ds_bf16.json",
+    "fp16": "ds_configs/ds_fp16.json",
+}
 
 
 @dataclass
@@ -64,30 +68,78 @@ def cpu_smoke(max_ranks: int) -> tuple[list[str], list[Case]]:
     rounds = ["--rounds", "3"]  # the engine and the plain loop in turn: the ratio sees no drift between them
     cases = [Case("baseline", "micro 8", 1, ["io", "synthetic", "full", "plain"], _batch(8, 1) + rounds)]
     cases += [Case("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (2, 4, 8, 16)]
-    cases += [Case("precision", "bf16", 1, ["synthetic", "plain"], _batch(8, 1) + rounds + ["--deepspeed_config", PRECISION_JSON["bf16"]])]
+    cases += [
+        Case(
+            "precision",
+            "bf16",
+            1,
+            ["synthetic", "plain"],
+            _batch(8, 1) + rounds + ["--deepspeed_config", PRECISION_JSON["bf16"]],
+        )
+    ]
     # Scaling at micro-batch 16, where one rank's throughput saturates (the micro-batch sweep); the
     # gradient all-reduce per step is fixed, so smaller batches scale worse (micro 8 measured 0.74-0.82).
     ranks = [n for n in (1, 2, 4, 8) if n <= max_ranks]
     # The plain loop runs too: DDP overlaps its all-reduce with backward, ZeRO stage 0 does not.
-    cases += [Case("weak", f"{n} rank(s), micro 16", n, ["synthetic", "plain"], _batch(16, n) + one_thread) for n in ranks]
-    cases += [Case("strong", f"{n} rank(s), global 32", n, ["synthetic"],
-                   ["--global_batch_size", "32", "--base_batch_size", "32"] + one_thread) for n in ranks]  # fmt: skip
+    cases += [
+        Case("weak", f"{n} rank(s), micro 16", n, ["synthetic", "plain"], _batch(16, n) + one_thread) for n in ranks
+    ]
+    cases += [
+        Case(
+            "strong",
+            f"{n} rank(s), global 32",
+            n,
+            ["synthetic"],
+            ["--global_batch_size", "32", "--base_batch_size", "32"] + one_thread,
+        )
+        for n in ranks
+    ]
     return base, cases
 
 
 def gpu(max_ranks: int) -> tuple[list[str], list[Case]]:
     """The reference model at 64^3 on GPUs: batch 64 per GPU, fp16 unless the case says otherwise."""
-    base = ["--config", "bs64_opt", "--synthetic", "{train_box_size: 256, val_box_size: 128, seed: 0}",
-            "--train_path", "data/bench/gpu_train.h5", "--val_path", "data/bench/gpu_val.h5", "--storage", "device",
-            "--Nsamples", "65536", "--Nsamples_val", "256"]  # fmt: skip
+    base = [
+        "--config",
+        "bs64_opt",
+        "--synthetic",
+        "{train_box_size: 256, val_box_size: 128, seed: 0}",
+        "--train_path",
+        "data/bench/gpu_train.h5",
+        "--val_path",
+        "data/bench/gpu_val.h5",
+        "--storage",
+        "device",
+        "--Nsamples",
+        "65536",
+        "--Nsamples_val",
+        "256",
+    ]
     cases = [Case("baseline", "micro 64", 1, ["io", "synthetic", "full", "plain"], _batch(64, 1) + ["--rounds", "3"])]
     cases += [Case("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (16, 32, 64, 128)]
-    cases += [Case("precision", p, 1, ["synthetic", "plain"], _batch(64, 1) + ["--rounds", "3", "--deepspeed_config", PRECISION_JSON[p]])
-              for p in ("fp32", "bf16")]  # fmt: skip
+    cases += [
+        Case(
+            "precision",
+            p,
+            1,
+            ["synthetic", "plain"],
+            _batch(64, 1) + ["--rounds", "3", "--deepspeed_config", PRECISION_JSON[p]],
+        )
+        for p in ("fp32", "bf16")
+    ]
     ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
     cases += [Case("weak", f"{n} rank(s), micro 64", n, ["synthetic", "full", "plain"], _batch(64, n)) for n in ranks]
-    cases += [Case("strong", f"{n} rank(s), global 512", n, ["synthetic"],
-                   ["--global_batch_size", "512", "--base_batch_size", "512"]) for n in ranks if 512 % n == 0]  # fmt: skip
+    cases += [
+        Case(
+            "strong",
+            f"{n} rank(s), global 512",
+            n,
+            ["synthetic"],
+            ["--global_batch_size", "512", "--base_batch_size", "512"],
+        )
+        for n in ranks
+        if 512 % n == 0
+    ]
     return base, cases
 
 
@@ -98,7 +150,16 @@ FAST_PATHS = {
     "compile": ["--compile", "true"],
     "no step sync": ["--nonfinite_loss", "ignore"],
 }
-PLAIN_PATH = ["--channels_last", "false", "--cudnn_benchmark", "false", "--compile", "false", "--nonfinite_loss", "skip"]
+PLAIN_PATH = [
+    "--channels_last",
+    "false",
+    "--cudnn_benchmark",
+    "false",
+    "--compile",
+    "false",
+    "--nonfinite_loss",
+    "skip",
+]
 # Tried last, on fp16 only, and joined to "all fast paths" only once measured to help: compile with CUDA graphs;
 # torch's fused Adam in place of DeepSpeed's FusedAdam (no JIT build; DeepSpeed's unfused fp16 wrapper around it).
 TRIED_LAST = {
@@ -116,8 +177,11 @@ def gpu_speed(max_ranks: int) -> tuple[list[str], list[Case]]:
         common = _batch(64, 1) + ["--deepspeed_config", PRECISION_JSON[precision], "--warmup", "10"] + PLAIN_PATH
         return Case("speed", f"{precision} {what}", 1, ["synthetic", "full"], common + switches)
 
-    headline = [case(p, what, switches) for what, switches in (("plain path", []), ("all fast paths", every))
-                for p in ("fp16", "bf16")]  # fmt: skip
+    headline = [
+        case(p, what, switches)
+        for what, switches in (("plain path", []), ("all fast paths", every))
+        for p in ("fp16", "bf16")
+    ]
     single = [case(p, f"+ {name}", switch) for p in ("fp16", "bf16") for name, switch in FAST_PATHS.items()]
     # The headline cases first, the plain path of both precisions before the compiled ones: a run cut short (a
     # time-limited allocation) still has them.
@@ -138,15 +202,30 @@ def gpu_comm(max_ranks: int) -> tuple[list[str], list[Case]]:
     base, _ = gpu(max_ranks)
     ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
     configs = {0: "ds_configs/ds_fp16.json", 1: "ds_configs/ds_fp16_zero1.json", 2: "ds_configs/ds_fp16_zero2.json"}
-    cases = [Case(f"weak-zero{stage}", f"{n} rank(s), micro 64, ZeRO {stage}", n, ["synthetic"],
-                  _batch(64, n) + ["--deepspeed_config", json_path])
-             for stage, json_path in configs.items() for n in ranks]  # fmt: skip
+    cases = [
+        Case(
+            f"weak-zero{stage}",
+            f"{n} rank(s), micro 64, ZeRO {stage}",
+            n,
+            ["synthetic"],
+            _batch(64, n) + ["--deepspeed_config", json_path],
+        )
+        for stage, json_path in configs.items()
+        for n in ranks
+    ]
     n = ranks[-1]
     if n > 1:
         zero2 = _batch(64, n) + ["--deepspeed_config", configs[2], "--deepspeed_overrides"]
-        cases += [Case("zero2-settings", f"{n} rank(s), micro 64, ZeRO 2, {name}", n, ["synthetic"],
-                       zero2 + [json.dumps(override)])
-                  for name, override in ZERO2_SETTINGS.items()]  # fmt: skip
+        cases += [
+            Case(
+                "zero2-settings",
+                f"{n} rank(s), micro 64, ZeRO 2, {name}",
+                n,
+                ["synthetic"],
+                zero2 + [json.dumps(override)],
+            )
+            for name, override in ZERO2_SETTINGS.items()
+        ]
     return base, cases
 
 
@@ -158,7 +237,15 @@ def command(case: Case, launcher: str, ranks_per_node: int) -> list[str]:
         return [sys.executable, "-m", "bench.train"]
     if launcher == "srun":
         nodes = -(-case.ranks // ranks_per_node)
-        return ["srun", "--kill-on-bad-exit=1", f"--ntasks={case.ranks}", f"--nodes={nodes}", sys.executable, "-m", "bench.train"]
+        return [
+            "srun",
+            "--kill-on-bad-exit=1",
+            f"--ntasks={case.ranks}",
+            f"--nodes={nodes}",
+            sys.executable,
+            "-m",
+            "bench.train",
+        ]
     return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(case.ranks), "--module", "bench.train"]
 
 
@@ -181,14 +268,35 @@ def merge_overrides(options: list[str]) -> list[str]:
 def train_options(base: list[str], case: Case, args: argparse.Namespace, run_id: str) -> list[str]:
     """The options of ``python -m bench.train`` for one case of a sweep."""
     # The case's own options override the sweep's (more warm-up to compile, say); the user's override both.
-    return merge_overrides([*base, "--modes", *case.modes, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                            "--sweep", case.sweep, "--case", case.label, "--run_id", run_id, "--repeat",
-                            str(case.repeat), "--out", str(args.out), *case.options, *args.train_options])  # fmt: skip
+    return merge_overrides(
+        [
+            *base,
+            "--modes",
+            *case.modes,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--sweep",
+            case.sweep,
+            "--case",
+            case.label,
+            "--run_id",
+            run_id,
+            "--repeat",
+            str(case.repeat),
+            "--out",
+            str(args.out),
+            *case.options,
+            *args.train_options,
+        ]
+    )
 
 
 def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, device_type: str) -> list[tuple]:
     """Every case makes a valid run on ``device_type`` (its options, its batches over its ranks, its DeepSpeed
-    JSON, DALI where its crops need it), checked before the first one starts, so that a typo costs seconds, not an allocation.
+    JSON, DALI where its crops need it), checked before the first one starts, so that a typo costs seconds, not an
+    allocation.
 
     Returns (bench.train's options, config, resolved DeepSpeed config) per case; exits on the first bad one.
     """
@@ -224,13 +332,18 @@ def write_synthetic_data(configs: list[Config]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-smoke")
-    parser.add_argument("--max_ranks", type=int, default=2 if not torch.cuda.is_available() else torch.cuda.device_count())
+    parser.add_argument(
+        "--max_ranks", type=int, default=2 if not torch.cuda.is_available() else torch.cuda.device_count()
+    )
     parser.add_argument("--launcher", choices=["deepspeed", "srun"], default="deepspeed")
     parser.add_argument("--ranks_per_node", type=int, default=max(1, torch.cuda.device_count()))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--only", nargs="*", help="run only these sweeps (the records' sweep names: baseline, speed, "
-                        "weak, weak-zero2, zero2-settings...)")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        help="run only these sweeps (the records' sweep names: baseline, speed, weak, weak-zero2, zero2-settings...)",
+    )
     parser.add_argument("--scaling_repeats", type=int, default=3, help="runs of each scaling case; the median counts")
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     parser.add_argument("--no_report", action="store_true")

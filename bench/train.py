@@ -71,19 +71,22 @@ class Marks:
         """Per step, the time from each ``start`` mark to the next ``end`` mark, summed over micro-steps."""
         if self.cuda:
             torch.cuda.synchronize()
-        return [sum(self._ms(a, b) for a, b in zip(s[start], s[end])) for s in self.steps if start in s]
+        return [sum(self._ms(a, b) for a, b in zip(s[start], s[end], strict=True)) for s in self.steps if start in s]
 
     def step_ms(self) -> list[float]:
         """Per step, from its first mark to the next step's first mark (so data waits are included)."""
         if self.cuda:
             torch.cuda.synchronize()
         firsts = [next(iter(s.values()))[0] for s in self.steps]
-        return [self._ms(a, b) for a, b in zip(firsts, firsts[1:])]
+        return [self._ms(a, b) for a, b in zip(firsts, firsts[1:], strict=False)]
 
 
 def percentiles(values: list[float], prefix: str) -> dict[str, float]:
-    return {f"{prefix}_p50": float(np.percentile(values, 50)), f"{prefix}_p90": float(np.percentile(values, 90)),
-            f"{prefix}_p99": float(np.percentile(values, 99))}  # fmt: skip
+    return {
+        f"{prefix}_p50": float(np.percentile(values, 50)),
+        f"{prefix}_p90": float(np.percentile(values, 90)),
+        f"{prefix}_p99": float(np.percentile(values, 99)),
+    }
 
 
 def timed(step: Callable[[Marks], float], warmup: int, steps: int, cuda: bool) -> dict[str, Any]:
@@ -119,9 +122,11 @@ class Case:
         layout = torch.channels_last_3d if cfg.channels_last else torch.contiguous_format  # as the pipeline lays it out
         self.batch = (
             torch.randn(shape[:1] + (cfg.N_in_channels,) + shape[1:], generator=generator, device=engine.device)
-            .to(trainer.dtype).contiguous(memory_format=layout),
+            .to(trainer.dtype)
+            .contiguous(memory_format=layout),
             torch.randn(shape[:1] + (cfg.N_out_channels,) + shape[1:], generator=generator, device=engine.device)
-            .tanh().contiguous(memory_format=layout),
+            .tanh()
+            .contiguous(memory_format=layout),
         )
         self._batches: Iterator | None = None
 
@@ -175,10 +180,17 @@ class Case:
         model = UNet(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth).to(trainer.engine.device)
         model.init_weights(cfg.weight_init.conv_scale, cfg.weight_init.conv_bias)
         if trainer.dist.world_size > 1:
-            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[trainer.device.index] if self.cuda else None)
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[trainer.device.index] if self.cuda else None
+            )
         params = trainer.ds_config["optimizer"]["params"]
-        optimizer = torch.optim.Adam(model.parameters(), lr=params["lr"], betas=tuple(params.get("betas", (0.9, 0.999))),
-                                     eps=params.get("eps", 1e-8), weight_decay=params.get("weight_decay", 0.0))  # fmt: skip
+        optimizer = torch.optim.Adam(
+            model.parameters(),
+            lr=params["lr"],
+            betas=tuple(params.get("betas", (0.9, 0.999))),
+            eps=params.get("eps", 1e-8),
+            weight_decay=params.get("weight_decay", 0.0),
+        )
         dtype = trainer.dtype
         device_type = trainer.engine.device.type
         scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
@@ -221,7 +233,9 @@ class Case:
                 if self.cuda:
                     torch.cuda.reset_peak_memory_stats()
                 results[mode].append(timed(steppers[mode], warmup, steps, self.cuda))
-                peak_gib[mode] = max(peak_gib.get(mode, 0.0), torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0)
+                peak_gib[mode] = max(
+                    peak_gib.get(mode, 0.0), torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0
+                )
         return {mode: self._summarize(runs, steps, peak_gib[mode]) for mode, runs in results.items()}
 
     def _summarize(self, runs: list[dict[str, Any]], steps: int, device_peak_gib: float) -> dict[str, Any]:
@@ -238,8 +252,11 @@ class Case:
             **percentiles(step_ms, "step_ms"),
         }
         if "forward" in all_marks[0].steps[0]:
-            for name, (a, b) in {"forward": ("start", "forward"), "backward": ("forward", "backward"),
-                                 "optimizer": ("backward", "optimizer")}.items():  # fmt: skip
+            for name, (a, b) in {
+                "forward": ("start", "forward"),
+                "backward": ("forward", "backward"),
+                "optimizer": ("backward", "optimizer"),
+            }.items():
                 record[f"{name}_ms_p50"] = statistics.median(ms for marks in all_marks for ms in marks.phase_ms(a, b))
         if self.cuda:
             record.update(mem_peak_gib=device_peak_gib, mem_kind="device")
@@ -254,8 +271,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=["synthetic"])
     parser.add_argument("--warmup", type=int, default=3, help="optimizer steps discarded before timing")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps timed per round")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds over the modes (a, b, a, b...), so that drift falls on every mode alike")  # fmt: skip
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds over the modes (a, b, a, b...), so that drift falls on every mode alike",
+    )
     parser.add_argument("--sweep", default="adhoc", help="name of the sweep this case belongs to")
     parser.add_argument("--run_id", default=time.strftime("%Y%m%dT%H%M%S"), help="groups the records of one sweep run")
     parser.add_argument("--case", default="", help="label of this case within its sweep")
@@ -279,8 +300,12 @@ def measure(argv: list[str] | None) -> None:
     """Build the case from the options, time its modes, append a record per mode to --out (rank 0)."""
     args, cfg = parse_args(argv)
     dist = DistEnv.from_environ()
-    logging.basicConfig(level=logging.INFO if dist.is_main else logging.WARNING, format="%(asctime)s %(message)s",
-                        datefmt="%H:%M:%S", force=True)  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO if dist.is_main else logging.WARNING,
+        format="%(asctime)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     device = init_distributed(dist, cfg.dist_timeout_s)
     prepare_data(cfg, dist)
@@ -295,25 +320,56 @@ def measure(argv: list[str] | None) -> None:
         precision = precision_name(trainer.dtype)
         for mode, result in case.runs(args.modes, args.warmup, args.steps, args.rounds).items():
             record = {
-                "bench": "train", "sweep": args.sweep, "run_id": args.run_id, "case": args.case, "repeat": args.repeat, "mode": mode,
-                "engine": "plain" if mode == "plain" else "deepspeed", "config": args.config,
-                "world_size": dist.world_size, "micro_batch": case.micro, "accumulation": case.accumulation,
-                "global_batch": engine.train_batch_size(), "precision": precision, "crop": cfg.data_size,
-                "unet_width": cfg.unet_width, "unet_depth": cfg.unet_depth, "parameters": trainer.num_parameters,
-                "storage": trainer.storage, "backend": trainer.backend, "threads_per_rank": torch.get_num_threads(),
-                "fast_paths": {"channels_last": cfg.channels_last, "cudnn_benchmark": torch.backends.cudnn.benchmark,
-                               "compile": cfg.compile, "compile_mode": cfg.compile_mode,
-                               "nonfinite_loss": cfg.nonfinite_loss},
-                "zero_stage": engine.zero_optimization_stage(), "zero": trainer.ds_config.get("zero_optimization", {}),
+                "bench": "train",
+                "sweep": args.sweep,
+                "run_id": args.run_id,
+                "case": args.case,
+                "repeat": args.repeat,
+                "mode": mode,
+                "engine": "plain" if mode == "plain" else "deepspeed",
+                "config": args.config,
+                "world_size": dist.world_size,
+                "micro_batch": case.micro,
+                "accumulation": case.accumulation,
+                "global_batch": engine.train_batch_size(),
+                "precision": precision,
+                "crop": cfg.data_size,
+                "unet_width": cfg.unet_width,
+                "unet_depth": cfg.unet_depth,
+                "parameters": trainer.num_parameters,
+                "storage": trainer.storage,
+                "backend": trainer.backend,
+                "threads_per_rank": torch.get_num_threads(),
+                "fast_paths": {
+                    "channels_last": cfg.channels_last,
+                    "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                    "compile": cfg.compile,
+                    "compile_mode": cfg.compile_mode,
+                    "nonfinite_loss": cfg.nonfinite_loss,
+                },
+                "zero_stage": engine.zero_optimization_stage(),
+                "zero": trainer.ds_config.get("zero_optimization", {}),
                 "optimizer": "Adam" if mode == "plain" else type(engine.basic_optimizer).__name__,  # plain: torch's
-                "warmup_steps": args.warmup, "timed_steps": args.steps, **result, **flops,
-                **(utilization(result["samples_per_s"], flops, env["device"], precision, devices) if mode != "io" else {}),
+                "warmup_steps": args.warmup,
+                "timed_steps": args.steps,
+                **result,
+                **flops,
+                **(
+                    utilization(result["samples_per_s"], flops, env["device"], precision, devices)
+                    if mode != "io"
+                    else {}
+                ),
                 **env,
-            }  # fmt: skip
+            }
             if dist.is_main:
                 append_records(args.out, [record])
-                log.info("%s %s: %.1f samples/s, step p50 %.1f ms", args.case or args.config, mode,
-                         record["samples_per_s"], record["step_ms_p50"])  # fmt: skip
+                log.info(
+                    "%s %s: %.1f samples/s, step p50 %.1f ms",
+                    args.case or args.config,
+                    mode,
+                    record["samples_per_s"],
+                    record["step_ms_p50"],
+                )
         torch_dist.barrier()
 
 

@@ -36,9 +36,14 @@ class EmulatorSpec:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> EmulatorSpec:
         return cls(
-            config["N_in_channels"], config["N_out_channels"], config["unet_width"], config["unet_depth"],
-            config["data_size"], config["input_vectors"], config["target_vectors"],
-        )  # fmt: skip
+            config["N_in_channels"],
+            config["N_out_channels"],
+            config["unet_width"],
+            config["unet_depth"],
+            config["data_size"],
+            config["input_vectors"],
+            config["target_vectors"],
+        )
 
 
 @dataclass
@@ -116,7 +121,12 @@ def export(emulator: Emulator, out: Path) -> None:
     """One file: float32 weights and the spec, readable with torch.load(weights_only=True); an interrupted export
     leaves no half file."""
     state = {k: v.detach().float().cpu() for k, v in emulator.model.state_dict().items()}
-    saved = {"format": "cosmo-emulator/1", "spec": asdict(emulator.spec), "state_dict": state, "source": emulator.source}
+    saved = {
+        "format": "cosmo-emulator/1",
+        "spec": asdict(emulator.spec),
+        "state_dict": state,
+        "source": emulator.source,
+    }
     with written_atomically(out) as tmp:
         torch.save(saved, tmp)
 
@@ -134,8 +144,13 @@ def from_weights(path: Path) -> Emulator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="python -m model.export", description="Export a run's checkpoint as one weights file, loadable without DeepSpeed.")
-    parser.add_argument("--run_dir", type=existing_dir, help="run directory (default: the newest under runs/ with a checkpoint)")
+    parser = ArgumentParser(
+        prog="python -m model.export",
+        description="Export a run's checkpoint as one weights file, loadable without DeepSpeed.",
+    )
+    parser.add_argument(
+        "--run_dir", type=existing_dir, help="run directory (default: the newest under runs/ with a checkpoint)"
+    )
     parser.add_argument("--tag", help="checkpoint tag (default: the latest)")
     parser.add_argument("--out", type=output_file, required=True, help="the file to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")

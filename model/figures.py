@@ -30,8 +30,9 @@ def channel_units(name: str, temperature_log_range: float | None) -> str:
     return "temperature, normalized (the file gives no scale)"
 
 
-def slices(inputs: np.ndarray, true: np.ndarray, pred: np.ndarray, path: Path,
-           temperature_log_range: float | None = None) -> Path:  # fmt: skip
+def slices(
+    inputs: np.ndarray, true: np.ndarray, pred: np.ndarray, path: Path, temperature_log_range: float | None = None
+) -> Path:
     """Central slices, a row per output channel: the matching input channel (dark-matter density or velocity; none
     for temperature), then true, predicted and predicted - true. Every colorbar names its quantity and units."""
     plt = _pyplot()
@@ -45,21 +46,29 @@ def slices(inputs: np.ndarray, true: np.ndarray, pred: np.ndarray, path: Path,
         bound = max(abs(np.percentile(residual, 1)), abs(np.percentile(residual, 99)), 1e-6)
         source = NBODY_CHANNELS.index(name) if name in NBODY_CHANNELS else 0 if name == "gas_density" else None
         panels: list[tuple | None] = [
-            None if source is None else
-            (inputs[source, mid], f"input: dark matter {NBODY_CHANNELS[source].replace('dm_', '')}", "viridis", None,
-             channel_units(NBODY_CHANNELS[source], None)),
+            None
+            if source is None
+            else (
+                inputs[source, mid],
+                f"input: dark matter {NBODY_CHANNELS[source].replace('dm_', '')}",
+                "viridis",
+                None,
+                channel_units(NBODY_CHANNELS[source], None),
+            ),
             (true[row, mid], f"true gas {name.replace('gas_', '')}", "magma", (lo, hi), units),
             (pred[row, mid], f"predicted gas {name.replace('gas_', '')}", "magma", (lo, hi), units),
             (residual, "predicted - true", "RdBu_r", (-bound, bound), f"difference in {units}"),
-        ]  # fmt: skip
-        for ax, panel in zip(axes[row], panels):
+        ]
+        for ax, panel in zip(axes[row], panels, strict=True):
             ax.set_xticks([])
             ax.set_yticks([])
             if panel is None:
                 ax.set_axis_off()
                 continue
             image, title, cmap, limits, label = panel
-            shown = ax.imshow(image, cmap=cmap, origin="lower", **({} if limits is None else dict(vmin=limits[0], vmax=limits[1])))
+            shown = ax.imshow(
+                image, cmap=cmap, origin="lower", **({} if limits is None else dict(vmin=limits[0], vmax=limits[1]))
+            )
             ax.set_title(title, fontsize=9)
             fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).set_label(label, fontsize=8)
     fig.suptitle(f"central slices (array axis 1 at {mid} of {inputs.shape[1]})", fontsize=10)
@@ -98,8 +107,14 @@ def spectra(metrics: dict[str, Any], path: Path) -> Path:
             ax.plot(k, np.clip(values, lo, hi), marker=".", label=field.replace("_", " "))
         for i, (name, (k_lo, k_hi)) in enumerate(ranges.items()):
             ax.axvspan(k_lo - 0.5, k_hi + 0.5, color="0.5", alpha=0.08 * (i % 2 + 1), lw=0)
-            ax.text(np.sqrt(max(k_lo - 0.5, 0.5) * (k_hi + 0.5)), lo + 0.02 * (hi - lo), name.replace("_", " "),
-                    ha="center", fontsize=7, color="0.3")  # fmt: skip
+            ax.text(
+                np.sqrt(max(k_lo - 0.5, 0.5) * (k_hi + 0.5)),
+                lo + 0.02 * (hi - lo),
+                name.replace("_", " "),
+                ha="center",
+                fontsize=7,
+                color="0.3",
+            )
         ax.axhline(1.0, color="gray", linestyle=":")
         ax.set(xscale="log", ylim=(lo, hi), xlabel="k (units of the fundamental mode 2 pi / L)")
         ax.grid(alpha=0.3)

@@ -105,7 +105,9 @@ def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int =
     result: dict[str, Any] = {
         "l1": l1,
         "l1_mean": float(np.mean(list(l1.values()))),
-        "temperature_units": "T / T0" if norm.temperature_log_range else "normalized (the data file gives no normalization)",
+        "temperature_units": "T / T0"
+        if norm.temperature_log_range
+        else "normalized (the data file gives no normalization)",
         "gas_density": compare_spectra(rho_pred, rho_true),
         "temperature": compare_spectra(t_pred, t_true),
     }
@@ -114,9 +116,11 @@ def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int =
     pdf_true, _ = np.histogram(log_true, edges, density=True)
     pdf_pred, _ = np.histogram(log_pred, edges, density=True)
     result["log_density_pdf"] = {
-        "edges": edges.tolist(), "true": pdf_true.tolist(), "pred": pdf_pred.tolist(),
+        "edges": edges.tolist(),
+        "true": pdf_true.tolist(),
+        "pred": pdf_pred.tolist(),
         "l1_distance": float(np.abs(pdf_pred - pdf_true).sum() * (edges[1] - edges[0])),
-    }  # fmt: skip
+    }
     to_log = np.log10 if norm.temperature_log_range else np.asarray  # normalized T is already logarithmic
     log_t_true, log_t_pred = to_log(t_true), to_log(t_pred)
     edges = np.linspace(*np.percentile(log_true, [1, 99]), bins // 2 + 1)
@@ -127,8 +131,11 @@ def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int =
         for key, index, values in (("true", which, log_t_true), ("pred", which_pred, log_t_pred)):
             selected = values.ravel()[index == i]
             medians[key].append(float(np.median(selected)) if selected.size else None)
-    result["temperature_density"] = {"log10_density_edges": edges.tolist(), "median_log10_T_true": medians["true"],
-                                     "median_log10_T_pred": medians["pred"]}  # fmt: skip
+    result["temperature_density"] = {
+        "log10_density_edges": edges.tolist(),
+        "median_log10_T_true": medians["true"],
+        "median_log10_T_pred": medians["pred"],
+    }
     ranges = k_ranges(len(result["gas_density"]["k"]))
     result["k_ranges"] = {name: [lo, hi] for name, (lo, hi) in ranges.items()}
     result["summary"] = {
@@ -145,8 +152,11 @@ def k_ranges(nyquist: int) -> dict[str, tuple[int, int]]:
     up to an eighth of the Nyquist mode, intermediate up to half of it, small scales up to Nyquist."""
     large = max(1, nyquist // 8)
     intermediate = min(nyquist, max(large + 1, nyquist // 2))
-    ranges = {"large_scales": (1, large), "intermediate": (large + 1, intermediate),
-              "small_scales": (intermediate + 1, nyquist)}  # fmt: skip
+    ranges = {
+        "large_scales": (1, large),
+        "intermediate": (large + 1, intermediate),
+        "small_scales": (intermediate + 1, nyquist),
+    }
     return {name: (lo, hi) for name, (lo, hi) in ranges.items() if lo <= hi}
 
 
@@ -154,7 +164,9 @@ def spectra_table(metrics: dict[str, Any], max_rows: int = 32) -> str:
     """P_pred / P_true and r(k) per k for gas density and temperature, then the medians over the named ranges.
     Boxes with more than ``max_rows`` shells show log-spaced k (metrics.json holds every k)."""
     k = metrics["gas_density"]["k"]
-    shown = range(len(k)) if len(k) <= max_rows else sorted({int(round(i)) for i in np.geomspace(1, len(k), max_rows) - 1})
+    shown = (
+        range(len(k)) if len(k) <= max_rows else sorted({int(round(i)) for i in np.geomspace(1, len(k), max_rows) - 1})
+    )
     lines = [f"{'k':>5}  {'gas density P/P':>15}  {'r':>6}  {'temperature P/P':>15}  {'r':>6}"]
     for i in shown:
         row = [metrics[f][s][i] for f in ("gas_density", "temperature") for s in ("power_ratio", "r")]
@@ -163,7 +175,11 @@ def spectra_table(metrics: dict[str, Any], max_rows: int = 32) -> str:
         lines.append(f"({len(shown)} of {len(k)} shells shown; metrics.json holds every k)")
     lines.append("medians over k ranges (units of the fundamental mode 2 pi / L):")
     for name, (lo, hi) in metrics["k_ranges"].items():
-        row = [metrics["summary"][f"{f}_{s}_{name}"] for f in ("gas_density", "temperature") for s in ("power_ratio", "r")]
+        row = [
+            metrics["summary"][f"{f}_{s}_{name}"] for f in ("gas_density", "temperature") for s in ("power_ratio", "r")
+        ]
         label = f"{name.replace('_', ' ')} (k {lo}-{hi})"
-        lines.append(f"  {label:<28} gas density P/P {row[0]:.3f}, r {row[1]:.3f}; temperature P/P {row[2]:.3f}, r {row[3]:.3f}")
+        lines.append(
+            f"  {label:<28} gas density P/P {row[0]:.3f}, r {row[1]:.3f}; temperature P/P {row[2]:.3f}, r {row[3]:.3f}"
+        )
     return "\n".join(lines)

@@ -41,8 +41,15 @@ def _open(path: Path, dataset: str, layout: str) -> tuple[object, dict]:
     return volume, dict(volume.file.attrs)
 
 
-def predict_file(emulator: Emulator, input_path: Path, out_dir: Path, overlap: int, batch: int, device: torch.device,
-                 layout: str = "CDHW") -> Path:  # fmt: skip
+def predict_file(
+    emulator: Emulator,
+    input_path: Path,
+    out_dir: Path,
+    overlap: int,
+    batch: int,
+    device: torch.device,
+    layout: str = "CDHW",
+) -> Path:
     spec = emulator.spec
     if not 0 <= overlap < spec.crop_size:
         crop = spec.crop_size
@@ -51,15 +58,34 @@ def predict_file(emulator: Emulator, input_path: Path, out_dir: Path, overlap: i
         raise ValueError(f"batch must be positive, got {batch}")
     volume, attrs = _open(input_path, NBODY_DATASET, layout)
     if volume.ndim != 4 or volume.shape[0] != spec.in_channels or len(set(volume.shape[1:])) != 1:
-        raise DataError(f"{input_path}: inputs of shape {tuple(volume.shape)}; the emulator takes ({spec.in_channels}, L, L, L)")
+        raise DataError(
+            f"{input_path}: inputs of shape {tuple(volume.shape)}; the emulator takes ({spec.in_channels}, L, L, L)"
+        )
     box = volume.shape[1]
     out_dir.mkdir(parents=True, exist_ok=True)
     acc_path, wsum_path = out_dir / ".accumulator.npy", out_dir / ".weights.npy"
     acc = np.lib.format.open_memmap(acc_path, mode="w+", dtype=np.float64, shape=(spec.out_channels, box, box, box))
     wsum = np.lib.format.open_memmap(wsum_path, mode="w+", dtype=np.float64, shape=(box, box, box))
-    log.info("predicting %s (%d^3) with %s: %d^3 tiles, overlap %d, on %s", input_path, box, emulator.source,
-             spec.crop_size, overlap, device)  # fmt: skip
-    accumulate(emulator.model.to(device), volume, spec.crop_size, overlap, batch, device, acc, wsum, progress=sys.stderr.isatty())
+    log.info(
+        "predicting %s (%d^3) with %s: %d^3 tiles, overlap %d, on %s",
+        input_path,
+        box,
+        emulator.source,
+        spec.crop_size,
+        overlap,
+        device,
+    )
+    accumulate(
+        emulator.model.to(device),
+        volume,
+        spec.crop_size,
+        overlap,
+        batch,
+        device,
+        acc,
+        wsum,
+        progress=sys.stderr.isatty(),
+    )
     out = out_dir / "prediction.h5"
     with h5py.File(out, "w") as f:
         for key, value in attrs.items():
@@ -89,7 +115,9 @@ def evaluate_file(prediction: Path, truth: Path, inputs: Path, out_dir: Path, la
     metrics["files"] = {"prediction": str(prediction), "truth": str(truth)}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     input_volume, _ = _open(inputs, NBODY_DATASET, layout)
-    slices(np.asarray(input_volume[...], dtype=np.float32), true, pred, out_dir / "slices.png", norm.temperature_log_range)
+    slices(
+        np.asarray(input_volume[...], dtype=np.float32), true, pred, out_dir / "slices.png", norm.temperature_log_range
+    )
     spectra(metrics, out_dir / "spectra.png")
     return metrics
 
@@ -97,12 +125,20 @@ def evaluate_file(prediction: Path, truth: Path, inputs: Path, out_dir: Path, la
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m model.predict", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--run_dir", type=existing_dir, help="run directory (default: the newest under runs/ with a checkpoint)")
+    source.add_argument(
+        "--run_dir", type=existing_dir, help="run directory (default: the newest under runs/ with a checkpoint)"
+    )
     source.add_argument("--weights", type=existing_file, help="an exported emulator (python -m model.export)")
     parser.add_argument("--tag", help="checkpoint tag of --run_dir (default: the latest)")
-    parser.add_argument("--input", type=existing_file, required=True, help="HDF5 file with an Nbody dataset, or a .npy input volume")
+    parser.add_argument(
+        "--input", type=existing_file, required=True, help="HDF5 file with an Nbody dataset, or a .npy input volume"
+    )
     parser.add_argument("--npy_layout", choices=["CDHW", "DHWC"], default="CDHW")
-    parser.add_argument("--truth", type=existing_file, help="HDF5 file (Hydro) or .npy targets to compare with (default: the input file)")
+    parser.add_argument(
+        "--truth",
+        type=existing_file,
+        help="HDF5 file (Hydro) or .npy targets to compare with (default: the input file)",
+    )
     parser.add_argument("--out", type=output_dir, help="output directory (default: <run_dir>/prediction)")
     parser.add_argument("--overlap", type=int, help="voxels tiles overlap by (default: a quarter of the crop)")
     parser.add_argument("--batch", type=int, default=8, help="tiles per forward pass")
@@ -117,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
             emulator, default_out = from_run_dir(run_dir, args.tag), run_dir / "prediction"
         out_dir = args.out or default_out
         overlap = emulator.spec.crop_size // 4 if args.overlap is None else args.overlap
-        prediction = predict_file(emulator, args.input, out_dir, overlap, args.batch, torch.device(args.device), args.npy_layout)
+        prediction = predict_file(
+            emulator, args.input, out_dir, overlap, args.batch, torch.device(args.device), args.npy_layout
+        )
         log.info("wrote %s", prediction)
         truth = args.truth or (args.input if args.input.suffix != ".npy" else None)
         if truth is not None:

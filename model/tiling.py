@@ -101,13 +101,14 @@ def accumulate(
         group = corners[first : first + batch]
         inputs = torch.from_numpy(np.stack([periodic_window(volume, c, crop) for c in group])).to(device, dtype)
         predictions = model(inputs).double().cpu().numpy()
-        for corner, prediction in zip(group, predictions):
+        for corner, prediction in zip(group, predictions, strict=True):
             _add_periodic(acc, corner, prediction * window)
             _add_periodic(wsum, corner, window)
 
 
-def predict_box(model: UNet, volume: Any, out_channels: int, crop: int, overlap: int, batch: int,
-                device: torch.device) -> np.ndarray:  # fmt: skip
+def predict_box(
+    model: UNet, volume: Any, out_channels: int, crop: int, overlap: int, batch: int, device: torch.device
+) -> np.ndarray:
     """The blended prediction of a box that fits in memory, as (C_out, L, L, L) float32."""
     box = volume.shape[1]
     acc, wsum = np.zeros((out_channels, box, box, box)), np.zeros((box, box, box))

@@ -36,7 +36,9 @@ class UNet(nn.Module):
         for level in reversed(range(1, depth)):
             c_in = channels[level] if level == depth - 1 else 2 * channels[level]
             self.up.append(
-                nn.Sequential(nn.ConvTranspose3d(c_in, channels[level - 1], 4, stride=2, padding=1), nn.ReLU(inplace=True))
+                nn.Sequential(
+                    nn.ConvTranspose3d(c_in, channels[level - 1], 4, stride=2, padding=1), nn.ReLU(inplace=True)
+                )
             )
         self.last = nn.ConvTranspose3d(2 * channels[0], out_channels, 4, stride=2, padding=1)
 

@@ -45,7 +45,9 @@ def convert(h5_path: Path, out_prefix: Path, layout: str, overwrite: bool = Fals
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m pipeline.convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("h5_path", type=existing_file, help="HDF5 file with Nbody and Hydro datasets")
-    parser.add_argument("--out_prefix", type=output_file, required=True, help="writes <prefix>_data.npy and <prefix>_label.npy")
+    parser.add_argument(
+        "--out_prefix", type=output_file, required=True, help="writes <prefix>_data.npy and <prefix>_label.npy"
+    )
     parser.add_argument("--layout", choices=["CDHW", "DHWC"], default="CDHW")
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     args = parser.parse_args(argv)

@@ -10,9 +10,10 @@ GPU, it leaves the rotation to the device and returns its arguments with the bat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -79,8 +80,10 @@ class CropBatcher:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="crops")
         self._allocate = allocate
         self._guards: dict[int, Guard] = {}
-        self._ring = [(self._buffer(augmenter.in_channels), self._buffer(augmenter.out_channels))
-                      for _ in range(ring_slots(lookahead, hold))]  # fmt: skip
+        self._ring = [
+            (self._buffer(augmenter.in_channels), self._buffer(augmenter.out_channels))
+            for _ in range(ring_slots(lookahead, hold))
+        ]
         self._next_slot = 0
         self._pending: dict[tuple[int, int], tuple[int, list[SampleDraw], list[Future]]] = {}
 

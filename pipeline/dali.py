@@ -141,10 +141,14 @@ class ResidentCrops:
         if on_gpu != self.on_gpu:
             raise ValueError("resident volumes must be on the device the graph runs on")
         return fn.dl_tensor_python_function(
-            corners.gpu() if on_gpu else corners, function=functools.partial(self._gather, size=crop_size),
-            num_outputs=2, batch_processing=True, synchronize_stream=False, device="gpu" if on_gpu else "cpu",
+            corners.gpu() if on_gpu else corners,
+            function=functools.partial(self._gather, size=crop_size),
+            num_outputs=2,
+            batch_processing=True,
+            synchronize_stream=False,
+            device="gpu" if on_gpu else "cpu",
             output_layouts=["CDHW", "CDHW"],
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         self.volumes = ()
@@ -172,10 +176,14 @@ class NumpyCrops:
         for path, dtype in zip(self.paths, self.dtypes):  # noqa: B905 (DALI's autograph knows no strict=)
             direct = self.gpu_direct and on_gpu  # read into GPU memory through cuFile (GPUDirect Storage)
             crop = fn.readers.numpy(
-                files=[path] * self.batch_size, roi_start=corners, roi_shape=[crop_size] * 3,
-                roi_axes=[0, 1, 2] if self.channels_last else _SPATIAL, out_of_bounds_policy="error",
-                device="gpu" if direct else "cpu", random_shuffle=False,
-            )  # fmt: skip
+                files=[path] * self.batch_size,
+                roi_start=corners,
+                roi_shape=[crop_size] * 3,
+                roi_axes=[0, 1, 2] if self.channels_last else _SPATIAL,
+                out_of_bounds_policy="error",
+                device="gpu" if direct else "cpu",
+                random_shuffle=False,
+            )
             if on_gpu and not direct:
                 crop = crop.gpu()
             if self.channels_last:
@@ -204,8 +212,9 @@ class _Feed:
     """External-source callback: for DALI's (epoch, iteration), what the crops' source hands over, the corners of
     the crops and, where the graph rotates, the arguments of the rotations."""
 
-    def __init__(self, plan: DrawPlan, augmenter: Augmenter, crops: Crops, first_epoch: int, first_batch: int,
-                 rotate_here: bool) -> None:  # fmt: skip
+    def __init__(
+        self, plan: DrawPlan, augmenter: Augmenter, crops: Crops, first_epoch: int, first_batch: int, rotate_here: bool
+    ) -> None:
         self.plan, self.augmenter, self.crops = plan, augmenter, crops
         self.first_epoch, self.first_batch, self.rotate_here = first_epoch, first_batch, rotate_here
         self.corners = not isinstance(crops, BatcherCrops)  # the graph cuts the crops at these corners
@@ -259,9 +268,13 @@ def rotate(x, perm_index, flips, sign, num_channels: int, vectors: VectorGroups)
 def _graph(feed: _Feed, crop_size: int, on_gpu: bool, dtype, channels_last: bool):
     crops, augmenter = feed.crops, feed.augmenter
     nodes = fn.external_source(
-        feed, num_outputs=feed.num_outputs, batch=True, batch_info=True, no_copy=True,
+        feed,
+        num_outputs=feed.num_outputs,
+        batch=True,
+        batch_info=True,
+        no_copy=True,
         layout=crops.layouts + [""] * (feed.num_outputs - len(crops.layouts)),
-    )  # fmt: skip
+    )
     nodes = list(nodes) if isinstance(nodes, (list, tuple)) else [nodes]
     given, args = nodes[: len(crops.layouts)], nodes[len(crops.layouts) :]
     corners = args.pop(0) if feed.corners else None

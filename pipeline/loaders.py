@@ -125,9 +125,13 @@ def check_memory(
         volumes_note = f"{size} of volumes and" if resident else f"volumes on disk ({size}),"
         log.info(
             "storage '%s': %s %s of batch buffers per rank, %s for %d rank(s) on this node (%s available)",
-            storage, volumes_note, _size(buffer_bytes), _size(need), local_ranks,
+            storage,
+            volumes_note,
+            _size(buffer_bytes),
+            _size(need),
+            local_ranks,
             "?" if available is None else _size(available),
-        )  # fmt: skip
+        )
         if available is not None and need > available:
             instead = "use storage 'lazy' (or 'device' on a GPU), or " if storage == "host" else ""
             each = f"{_size(resident)} of volumes and " if resident else ""
@@ -143,8 +147,11 @@ def check_memory(
     free, total = torch.cuda.mem_get_info()
     log.info(
         "storage 'device': %s of volumes (inputs in %s, targets in float32) on each GPU, %s of %s free",
-        _size(need), settings.device_storage_dtype, _size(free), _size(total),
-    )  # fmt: skip
+        _size(need),
+        settings.device_storage_dtype,
+        _size(free),
+        _size(total),
+    )
     if need > free:
         raise DataError(
             f"storage 'device' needs {_size(need)} of GPU memory but {_size(free)} is free: "
@@ -181,9 +188,13 @@ def build_loader(
     """
     on_gpu = device.type == "cuda"
     common = dict(
-        plan=plan, augmenter=augmenter, dtype=dtype, first_epoch=first_epoch, first_batch=first_batch,
+        plan=plan,
+        augmenter=augmenter,
+        dtype=dtype,
+        first_epoch=first_epoch,
+        first_batch=first_batch,
         channels_last=settings.channels_last,
-    )  # fmt: skip
+    )
     resident = to_device(volumes, device, settings.device_storage_dtype) if storage == "device" else None
     source = volumes.load() if storage == "host" else volumes
     batcher = None

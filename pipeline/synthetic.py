@@ -126,7 +126,9 @@ def generate_box(spec: SyntheticSpec, box_size: int, seed: int) -> tuple[np.ndar
     rho_gas = np.maximum(rho_gas, 1e-6)  # a Gaussian filter keeps density positive, up to round-off
     v_gas_k = [vk * smooth for vk in v_k]
     v_gas = [np.fft.irfftn(vk, s=shape, axes=(0, 1, 2)) for vk in v_gas_k]
-    divergence = np.fft.irfftn(sum(1j * kc * vk for kc, vk in zip((kx, ky, kz), v_gas_k)), s=shape, axes=(0, 1, 2))
+    divergence = np.fft.irfftn(
+        sum(1j * kc * vk for kc, vk in zip((kx, ky, kz), v_gas_k, strict=True)), s=shape, axes=(0, 1, 2)
+    )
     compression = np.maximum(-divergence / divergence.std(), 0.0)
     log10_t_over_t0 = (spec.gamma - 1) * np.log10(rho_gas) + np.log10(1 + spec.shock_heating * compression**2)
 
@@ -204,7 +206,9 @@ def ensure_boxes(spec: SyntheticSpec, train_path: str | Path, val_path: str | Pa
 
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m pipeline.synthetic", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out_dir", type=output_dir, default=Path("data/synthetic"), help="writes train.h5 and val.h5 here")
+    parser.add_argument(
+        "--out_dir", type=output_dir, default=Path("data/synthetic"), help="writes train.h5 and val.h5 here"
+    )
     for f in dataclasses.fields(SyntheticSpec):
         parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=f.metadata["help"])
     args = parser.parse_args(argv)

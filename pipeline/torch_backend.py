@@ -79,8 +79,13 @@ class DeviceCutter:
             return host.pin_memory().to(self.device, non_blocking=True)
         return host
 
-    def __call__(self, sources: tuple[torch.Tensor, torch.Tensor], args: torch.Tensor, dtypes: tuple[torch.dtype, ...],
-                 channels_last: bool) -> list[torch.Tensor]:  # fmt: skip
+    def __call__(
+        self,
+        sources: tuple[torch.Tensor, torch.Tensor],
+        args: torch.Tensor,
+        dtypes: tuple[torch.dtype, ...],
+        channels_last: bool,
+    ) -> list[torch.Tensor]:
         """The (inputs, targets) of the batch from ``sources``: volumes (C, L, L, L) or batches (B, C, S, S, S)."""
         size, extent, batch = self.crop_size, sources[0].shape[-1], len(args)
         rotation, corner = args[:, 0], args[:, 1:]

@@ -138,10 +138,17 @@ class VolumePair:
             rng = np.random.default_rng(seed)
             corners = rng.integers(0, self.box_size - crop_size + 1, size=(samples, 3))
             windows = [_window(tuple(int(c) for c in corner), crop_size) for corner in corners]
-        for volume, path, name in ((self.nbody, self.files.inputs, "inputs"), (self.hydro, self.files.targets, "targets")):
+        for volume, path, name in (
+            (self.nbody, self.files.inputs, "inputs"),
+            (self.hydro, self.files.targets, "targets"),
+        ):
             for window in windows:
                 if not np.isfinite(volume[window]).all():
-                    where = "" if window == np.s_[...] else f" (in the {crop_size}^3 crop at {window[1].start, window[2].start, window[3].start})"
+                    where = (
+                        ""
+                        if window == np.s_[...]
+                        else f" (in the {crop_size}^3 crop at {window[1].start, window[2].start, window[3].start})"
+                    )
                     raise DataError(f"{path}: the {name} hold NaN or Inf values{where}")
 
     def load(self) -> VolumePair:

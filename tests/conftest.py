@@ -19,12 +19,31 @@ REPO = Path(__file__).resolve().parent.parent
 # Small enough for seconds per run on 2 cores; 16^3 crops need a U-Net of depth 4 at most.
 TINY_SPEC = SyntheticSpec(train_box_size=32, val_box_size=32, seed=3)
 TINY_ARGS = [
-    "--config", "debug", "--data_size", "16", "--unet_depth", "4", "--unet_width", "4",
-    "--Nsamples", "128", "--Nsamples_val", "32", "--global_batch_size", "8", "--base_batch_size", "8",
-    "--log_every_steps", "4", "--num_data_workers", "1",
-    "--synthetic", json.dumps({"train_box_size": 32, "val_box_size": 32, "seed": 3}),
-    "--lr_schedule.start_lr", "1e-2",
-]  # fmt: skip
+    "--config",
+    "debug",
+    "--data_size",
+    "16",
+    "--unet_depth",
+    "4",
+    "--unet_width",
+    "4",
+    "--Nsamples",
+    "128",
+    "--Nsamples_val",
+    "32",
+    "--global_batch_size",
+    "8",
+    "--base_batch_size",
+    "8",
+    "--log_every_steps",
+    "4",
+    "--num_data_workers",
+    "1",
+    "--synthetic",
+    json.dumps({"train_box_size": 32, "val_box_size": 32, "seed": 3}),
+    "--lr_schedule.start_lr",
+    "1e-2",
+]
 
 
 @dataclass(frozen=True)
@@ -59,6 +78,10 @@ def single_process_env() -> dict[str, str]:
 def run_train(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ds_train.py in a fresh process from the repository root, as a single process (no launcher)."""
     return subprocess.run(
-        [sys.executable, "ds_train.py", *args], cwd=REPO, env=single_process_env(), capture_output=True, text=True,
+        [sys.executable, "ds_train.py", *args],
+        cwd=REPO,
+        env=single_process_env(),
+        capture_output=True,
+        text=True,
         timeout=timeout,
-    )  # fmt: skip
+    )

@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import torch
 
-from bench.pipeline import AUG, DOC, PlainCopies, ReferenceStyleCrops, _latest_run, _time_batches, table, update_doc
 from bench.env import REPO
+from bench.pipeline import AUG, DOC, PlainCopies, ReferenceStyleCrops, _latest_run, _time_batches, table, update_doc
 from bench.pipeline import main as pipeline_main
 from pipeline.sampling import DrawPlan
 from pipeline.volumes import VolumeFiles, VolumePair
@@ -38,16 +38,36 @@ def test_timing_discards_warmup_batches():
 
 
 def _record(case, rate, time="2026-01-01T00:00:00", crop=64):
-    return {"bench": "pipeline", "case": case, "samples_per_s": rate, "samples_per_s_min": rate - 1,
-            "samples_per_s_max": rate + 1, "crop": crop, "device": "cpu", "cpu": "x",
-            "cores": 2, "box": 256, "batch": 32, "threads": 2, "dtype": "float32", "torch": "t", "dali": "d",
-            "commit": "abc", "time": time, "host": "h"}  # fmt: skip
+    return {
+        "bench": "pipeline",
+        "case": case,
+        "samples_per_s": rate,
+        "samples_per_s_min": rate - 1,
+        "samples_per_s_max": rate + 1,
+        "crop": crop,
+        "device": "cpu",
+        "cpu": "x",
+        "cores": 2,
+        "box": 256,
+        "batch": 32,
+        "threads": 2,
+        "dtype": "float32",
+        "torch": "t",
+        "dali": "d",
+        "commit": "abc",
+        "time": time,
+        "host": "h",
+    }
 
 
 def test_table_uses_the_newest_run_and_ratios_to_its_baseline(tmp_path):
-    records = [_record("baseline", 10.0, "2026-01-01"), _record("dali-host", 99.0, "2026-01-01"),
-               _record("baseline", 50.0, "2026-02-01"), _record("dali-host", 80.0, "2026-02-01"),
-               _record("limit", 320.0, "2026-02-01")]  # fmt: skip
+    records = [
+        _record("baseline", 10.0, "2026-01-01"),
+        _record("dali-host", 99.0, "2026-01-01"),
+        _record("baseline", 50.0, "2026-02-01"),
+        _record("dali-host", 80.0, "2026-02-01"),
+        _record("limit", 320.0, "2026-02-01"),
+    ]
     text = table(_latest_run(records))
     assert "| 64^3 | dali-host | 80.0 | 79 - 81 | 1.60x | 25% |" in text and "99.0" not in text
     assert "| 64^3 | limit | 320.0 | 319 - 321 | 6.40x | 100% |" in text
@@ -64,8 +84,27 @@ def test_table_uses_the_newest_run_and_ratios_to_its_baseline(tmp_path):
 def test_a_run_with_its_own_results_file_leaves_the_docs_alone(tiny_data, tmp_path, capsys):
     page = DOC.read_bytes()
     out = tmp_path / "pipeline.jsonl"
-    pipeline_main(["--data", str(tiny_data["train"]), "--crops", "8", "--batch", "4", "--threads", "1", "--warmup", "1",
-                   "--batches", "2", "--repeats", "1", "--no_dali", "--out", str(out)])  # fmt: skip
+    pipeline_main(
+        [
+            "--data",
+            str(tiny_data["train"]),
+            "--crops",
+            "8",
+            "--batch",
+            "4",
+            "--threads",
+            "1",
+            "--warmup",
+            "1",
+            "--batches",
+            "2",
+            "--repeats",
+            "1",
+            "--no_dali",
+            "--out",
+            str(out),
+        ]
+    )
     assert {r["case"] for r in map(json.loads, out.read_text().splitlines())} >= {"baseline", "torch-host"}
     assert DOC.read_bytes() == page
     assert f"docs/benchmarks.md not updated: --report --out {out} puts this table there" in capsys.readouterr().out
@@ -92,9 +131,29 @@ def test_the_limit_copies_the_same_crops_unrotated(tiny_data):
 def test_records_are_written_as_cases_finish_so_a_run_stopped_early_keeps_them(tiny_data, tmp_path):
     """A time limit can stop the benchmark mid-run: every case timed before that is in the results file."""
     out = tmp_path / "pipeline.jsonl"
-    command = [sys.executable, "-m", "bench.pipeline", "--data", str(tiny_data["train"]), "--crops", "8", "16",
-               "--batch", "4", "--threads", "1", "--warmup", "1", "--batches", "2", "--repeats", "2", "--no_dali",
-               "--out", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "bench.pipeline",
+        "--data",
+        str(tiny_data["train"]),
+        "--crops",
+        "8",
+        "16",
+        "--batch",
+        "4",
+        "--threads",
+        "1",
+        "--warmup",
+        "1",
+        "--batches",
+        "2",
+        "--repeats",
+        "2",
+        "--no_dali",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:  # the first case of the second crop size is being timed: stop the run there
@@ -105,7 +164,12 @@ def test_records_are_written_as_cases_finish_so_a_run_stopped_early_keeps_them(t
         proc.kill()
         proc.wait(timeout=60)
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {(r["crop"], r["case"]) for r in records} >= {(8, "limit"), (8, "baseline"), (8, "torch-lazy"), (8, "torch-host")}
+    assert {(r["crop"], r["case"]) for r in records} >= {
+        (8, "limit"),
+        (8, "baseline"),
+        (8, "torch-lazy"),
+        (8, "torch-host"),
+    }
     assert all(r["crop"] == 8 or r["case"] in ("limit", "baseline") for r in records)
     last = {(r["crop"], r["case"]): r["repeats"] for r in records}  # each case's newest record: the most repeats
     assert last[(8, "torch-host")] == 2 and last[(16, "limit")] == 1

@@ -86,23 +86,84 @@ def test_warmup_steps_are_run_but_not_timed():
 
 
 REQUIRED = {
-    "bench", "sweep", "run_id", "case", "mode", "engine", "config", "world_size", "micro_batch", "accumulation",
-    "global_batch", "precision", "crop", "parameters", "threads_per_rank", "warmup_steps", "timed_steps",
-    "samples_per_s", "samples_per_s_min", "samples_per_s_max", "rounds", "wall_s", "step_ms_p50", "step_ms_p90", "step_ms_p99", "data_wait_pct", "mem_peak_gib",
-    "mem_kind", "forward_flops_per_sample", "train_flops_per_sample", "device", "cpu", "cores", "host", "torch",
-    "deepspeed", "python", "commit", "time",
-}  # fmt: skip
+    "bench",
+    "sweep",
+    "run_id",
+    "case",
+    "mode",
+    "engine",
+    "config",
+    "world_size",
+    "micro_batch",
+    "accumulation",
+    "global_batch",
+    "precision",
+    "crop",
+    "parameters",
+    "threads_per_rank",
+    "warmup_steps",
+    "timed_steps",
+    "samples_per_s",
+    "samples_per_s_min",
+    "samples_per_s_max",
+    "rounds",
+    "wall_s",
+    "step_ms_p50",
+    "step_ms_p90",
+    "step_ms_p99",
+    "data_wait_pct",
+    "mem_peak_gib",
+    "mem_kind",
+    "forward_flops_per_sample",
+    "train_flops_per_sample",
+    "device",
+    "cpu",
+    "cores",
+    "host",
+    "torch",
+    "deepspeed",
+    "python",
+    "commit",
+    "time",
+}
 
 
 def test_a_benchmark_run_writes_complete_records(tmp_path):
     out = tmp_path / "train.jsonl"
     data = tmp_path / "data"
     result = subprocess.run(
-        [sys.executable, "-m", "bench.train", *TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path",
-         str(data / "val.h5"), "--modes", "io", "synthetic", "full", "plain", "--steps", "3", "--warmup", "1", "--rounds", "2",
-         "--sweep", "test", "--case", "tiny", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.train",
+            *TINY_ARGS,
+            "--train_path",
+            str(data / "train.h5"),
+            "--val_path",
+            str(data / "val.h5"),
+            "--modes",
+            "io",
+            "synthetic",
+            "full",
+            "plain",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--rounds",
+            "2",
+            "--sweep",
+            "test",
+            "--case",
+            "tiny",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["mode"] for r in records] == ["io", "synthetic", "full", "plain"]
@@ -114,7 +175,14 @@ def test_a_benchmark_run_writes_complete_records(tmp_path):
         assert r["train_flops_per_sample"] == model_flops(4, 5, 4, 4, 16)["train_flops_per_sample"]
         assert (r["optimizer"], r["zero_stage"]) == ("Adam", 0)  # torch's Adam on a CPU, under DeepSpeed
     for r in records[1:]:
-        assert {"achieved_tflops", "mfu", "peak_source", "forward_ms_p50", "backward_ms_p50", "optimizer_ms_p50"} <= set(r)
+        assert {
+            "achieved_tflops",
+            "mfu",
+            "peak_source",
+            "forward_ms_p50",
+            "backward_ms_p50",
+            "optimizer_ms_p50",
+        } <= set(r)
         assert r["achieved_tflops"] == pytest.approx(r["samples_per_s"] * r["train_flops_per_sample"] / 1e12)
 
 
@@ -122,22 +190,65 @@ def test_bad_input_to_a_benchmark_is_one_line(tmp_path):
     truncated = tmp_path / "truncated.h5"
     truncated.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(100))
     result = subprocess.run(
-        [sys.executable, "-m", "bench.train", *TINY_ARGS, "--synthetic", "null", "--train_path", str(truncated),
-         "--modes", "io", "--out", str(tmp_path / "train.jsonl")],
-        cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.train",
+            *TINY_ARGS,
+            "--synthetic",
+            "null",
+            "--train_path",
+            str(truncated),
+            "--modes",
+            "io",
+            "--out",
+            str(tmp_path / "train.jsonl"),
+        ],
+        cwd=REPO,
+        env=single_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {truncated}: not a readable HDF5 file")
     assert "Traceback" not in result.stderr and not (tmp_path / "train.jsonl").exists()
 
 
 def _record(**kw):
-    base = {"device": "cpu", "run_id": "1", "sweep": "baseline", "case": "c", "mode": "synthetic", "world_size": 1,
-            "samples_per_s": 10.0, "step_ms_p50": 100.0, "step_ms_p90": 110.0, "step_ms_p99": 120.0, "precision": "fp32",
-            "micro_batch": 8, "accumulation": 1, "global_batch": 8, "data_wait_pct": 0.0, "mem_peak_gib": 1.0,
-            "mem_kind": "host_rss", "cpu": "x", "cores": 2, "torch": "t", "deepspeed": "d", "commit": "c",
-            "timed_steps": 3, "warmup_steps": 1, "unet_width": 4, "unet_depth": 4, "crop": 16,
-            "train_flops_per_sample": 1e9, "forward_ms_p50": 30.0, "backward_ms_p50": 60.0, "optimizer_ms_p50": 10.0}  # fmt: skip
+    base = {
+        "device": "cpu",
+        "run_id": "1",
+        "sweep": "baseline",
+        "case": "c",
+        "mode": "synthetic",
+        "world_size": 1,
+        "samples_per_s": 10.0,
+        "step_ms_p50": 100.0,
+        "step_ms_p90": 110.0,
+        "step_ms_p99": 120.0,
+        "precision": "fp32",
+        "micro_batch": 8,
+        "accumulation": 1,
+        "global_batch": 8,
+        "data_wait_pct": 0.0,
+        "mem_peak_gib": 1.0,
+        "mem_kind": "host_rss",
+        "cpu": "x",
+        "cores": 2,
+        "torch": "t",
+        "deepspeed": "d",
+        "commit": "c",
+        "timed_steps": 3,
+        "warmup_steps": 1,
+        "unet_width": 4,
+        "unet_depth": 4,
+        "crop": 16,
+        "train_flops_per_sample": 1e9,
+        "forward_ms_p50": 30.0,
+        "backward_ms_p50": 60.0,
+        "optimizer_ms_p50": 10.0,
+    }
     return {**base, **kw}
 
 
@@ -184,9 +295,10 @@ def test_every_case_of_a_preset_is_a_valid_run(preset, tmp_path, monkeypatch):
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, case.ranks)
         assert ds_config["train_batch_size"] == plan.global_batch
     if preset == "gpu-comm":  # ZeRO 2's settings really differ from the JSON's own
-        checked = zip(cases, check_cases(base, cases, sweep, device))
-        settings = {c.label.split(", ")[-1]: ds["zero_optimization"]
-                    for c, (_, _, ds) in checked if c.sweep == "zero2-settings"}  # fmt: skip
+        checked = zip(cases, check_cases(base, cases, sweep, device), strict=True)
+        settings = {
+            c.label.split(", ")[-1]: ds["zero_optimization"] for c, (_, _, ds) in checked if c.sweep == "zero2-settings"
+        }
         assert settings["bucket 5e8"]["reduce_bucket_size"] == 500_000_000
         assert settings["no overlap"]["overlap_comm"] is False
         assert settings["bucket 5e8"]["stage"] == 2 and settings["no overlap"]["reduce_bucket_size"] == 50_000_000
@@ -197,8 +309,15 @@ def test_a_time_limited_gpu_speed_sweep_measures_the_plain_paths_first_on_data_w
     case pays for writing the 256^3 box."""
     monkeypatch.chdir(REPO)
     base, cases = PRESETS["gpu-speed"](1)
-    assert [c.label for c in cases[:4]] == ["fp16 plain path", "bf16 plain path", "fp16 all fast paths", "bf16 all fast paths"]
-    cfg = Config(synthetic=SyntheticSpec(16, 16, 0), train_path=str(tmp_path / "train.h5"), val_path=str(tmp_path / "val.h5"))
+    assert [c.label for c in cases[:4]] == [
+        "fp16 plain path",
+        "bf16 plain path",
+        "fp16 all fast paths",
+        "bf16 all fast paths",
+    ]
+    cfg = Config(
+        synthetic=SyntheticSpec(16, 16, 0), train_path=str(tmp_path / "train.h5"), val_path=str(tmp_path / "val.h5")
+    )
     write_synthetic_data([cfg, cfg])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.h5", "val.h5"]
 
@@ -227,7 +346,7 @@ def test_the_users_deepspeed_overrides_merge_with_a_cases_own(tmp_path, monkeypa
     base, cases = PRESETS["gpu-comm"](8)
     options = ["--backend", "torch", "--deepspeed_overrides", "{optimizer: {params: {torch_adam: true}}}"]
     sweep = argparse.Namespace(steps=10, warmup=3, out=tmp_path / "train.jsonl", train_options=options)
-    checked = dict(zip((c.label for c in cases), check_cases(base, cases, sweep, "cuda")))
+    checked = dict(zip((c.label for c in cases), check_cases(base, cases, sweep, "cuda"), strict=True))
     _, cfg, ds_config = checked["8 rank(s), micro 64, ZeRO 2, bucket 5e8"]
     assert cfg.deepspeed_overrides["zero_optimization"]["reduce_bucket_size"] == 500_000_000  # the case's own
     assert ds_config["zero_optimization"]["reduce_bucket_size"] == 500_000_000

@@ -105,7 +105,11 @@ def kinds(tmp_path):
     """A file and a directory, for giving each where the other is needed."""
     (tmp_path / "a_file").write_text("x\n")
     (tmp_path / "a_dir").mkdir()
-    return {"file": str(tmp_path / "a_file"), "dir": str(tmp_path / "a_dir"), "under_file": str(tmp_path / "a_file" / "x")}
+    return {
+        "file": str(tmp_path / "a_file"),
+        "dir": str(tmp_path / "a_dir"),
+        "under_file": str(tmp_path / "a_file" / "x"),
+    }
 
 
 WRONG_KINDS = [
@@ -143,9 +147,11 @@ def test_a_path_of_the_wrong_kind_is_one_line(command, argv, message, kinds, cap
 
 def test_config_paths_of_the_wrong_kind_are_one_line(tmp_path):
     (tmp_path / "a_file").write_text("x\n")
-    for key, value, message in [("train_path", tmp_path, f"train_path {tmp_path} is a directory, not a file"),
-                                ("deepspeed_config", tmp_path, "is a directory, not a file"),
-                                ("val_path", tmp_path / "a_file" / "val.h5", "a_file is a file, not a directory")]:  # fmt: skip
+    for key, value, message in [
+        ("train_path", tmp_path, f"train_path {tmp_path} is a directory, not a file"),
+        ("deepspeed_config", tmp_path, "is a directory, not a file"),
+        ("val_path", tmp_path / "a_file" / "val.h5", "a_file is a file, not a directory"),
+    ]:
         result = run_train(["--config", "debug", "--run_dir", str(tmp_path / key), f"--{key}", str(value)])
         errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
         assert result.returncode == 2 and len(errors) == 1 and message in errors[0], result.stderr[-2000:]
@@ -162,8 +168,14 @@ def _pin() -> str:
 
 def _install_torch(env: dict[str, str]) -> subprocess.CompletedProcess:
     """tools/install_torch.py with this venv's python: the pinned torch is installed, so pip changes nothing."""
-    return subprocess.run([sys.executable, "tools/install_torch.py", _pin()], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "tools/install_torch.py", _pin()],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
 
 
 needs_no_gpu = pytest.mark.skipif(
@@ -203,8 +215,14 @@ def test_install_takes_the_cpu_index_when_it_answers(tmp_path):
 def test_make_tensorboard_serves_the_runs(tmp_path):
     if not (REPO / ".venv" / ".installed").exists():
         pytest.skip("make tensorboard needs the project's .venv (make setup)")
-    proc = subprocess.Popen(["make", "-s", "tensorboard", f"RUNS={tmp_path}", "PORT=0"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["make", "-s", "tensorboard", f"RUNS={tmp_path}", "PORT=0"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 120
@@ -230,8 +248,9 @@ def test_the_one_off_build_of_deepspeeds_cpu_op_is_announced_only_when_it_will_h
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     with caplog.at_level("INFO", logger="trainer.trainer"):
         announce_cpu_comm_build()
-    assert caplog.messages == [f"building DeepSpeed's CPU communication op, once (about 40 s; cached in "
-                               f"{tmp_path / 'deepspeed_shm_comm'})"]  # fmt: skip
+    assert caplog.messages == [
+        f"building DeepSpeed's CPU communication op, once (about 40 s; cached in {tmp_path / 'deepspeed_shm_comm'})"
+    ]
     (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
     caplog.clear()
     with caplog.at_level("INFO", logger="trainer.trainer"):

@@ -46,7 +46,9 @@ def test_debug_config_generates_its_data():
 
 
 def test_overrides_reach_nested_keys_and_convert_types():
-    cfg = _load("base", num_epochs=3, **{"lr_schedule.start_lr": "1e-3", "synthetic.seed": 4, "micro_batch_size": "null"})
+    cfg = _load(
+        "base", num_epochs=3, **{"lr_schedule.start_lr": "1e-3", "synthetic.seed": 4, "micro_batch_size": "null"}
+    )
     assert cfg.num_epochs == 3 and cfg.lr_schedule.start_lr == 1e-3 and cfg.lr_schedule.scaling == "sqrt"
     assert cfg.synthetic.seed == 4 and cfg.synthetic.train_box_size == 128  # created from the defaults
     assert cfg.micro_batch_size is None
@@ -80,7 +82,10 @@ def test_every_key_is_an_option():
     "data, message",
     [
         ({"num_epoch": 3}, "unknown key 'num_epoch' \\(did you mean 'num_epochs'\\?\\)"),
-        ({"lr_schedule": {"start_l": 1}}, "unknown key 'lr_schedule.start_l' \\(did you mean 'lr_schedule.start_lr'\\?\\)"),
+        (
+            {"lr_schedule": {"start_l": 1}},
+            "unknown key 'lr_schedule.start_l' \\(did you mean 'lr_schedule.start_lr'\\?\\)",
+        ),
         ({"full_scale": True}, "unknown key 'full_scale': unet_depth"),
         ({"num_epochs": "ten"}, "num_epochs must be int, got 'ten'"),
         ({"num_epochs": 2.5}, "num_epochs must be int"),

@@ -25,7 +25,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BACKENDS = ["torch"] + (["dali"] if HAVE_DALI else [])
 
 
-PLAN = EveryRotation(seed=0, num_samples=52, batch_size=8, box_size=32, crop_size=CROP, rotate=True)  # 6 full + 1 partial
+PLAN = EveryRotation(
+    seed=0, num_samples=52, batch_size=8, box_size=32, crop_size=CROP, rotate=True
+)  # 6 full + 1 partial
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +180,11 @@ def test_dali_cuts_crops_without_copying_the_volume(device_type, storage):
     rng = np.random.default_rng(0)
     times = {}
     for box in (16, 160):
-        volumes = VolumePair(VolumeFiles.hdf5("unused.h5"), rng.random((4, box, box, box), np.float32),
-                             rng.random((5, box, box, box), np.float32))  # fmt: skip
+        volumes = VolumePair(
+            VolumeFiles.hdf5("unused.h5"),
+            rng.random((4, box, box, box), np.float32),
+            rng.random((5, box, box, box), np.float32),
+        )
         plan = DrawPlan(seed=0, num_samples=8 * 21, batch_size=8, box_size=box, crop_size=CROP, rotate=True)
         if storage == "host":
             crops = HostCrops(volumes, threads=2)
@@ -198,7 +203,9 @@ def test_dali_cuts_crops_without_copying_the_volume(device_type, storage):
             torch.cuda.synchronize()
         copies.append(time.perf_counter() - start)
     copy_s = statistics.median(copies)
-    print(f"\nDALI {storage} storage on {device_type}: a batch of 8 crops takes {1e3 * times[16]:.2f} ms from a 16^3 "
-          f"box, {1e3 * times[160]:.2f} ms from a 160^3 box; one copy of the 160^3 box takes {1e3 * copy_s:.2f} ms")
+    print(
+        f"\nDALI {storage} storage on {device_type}: a batch of 8 crops takes {1e3 * times[16]:.2f} ms from a 16^3 "
+        f"box, {1e3 * times[160]:.2f} ms from a 160^3 box; one copy of the 160^3 box takes {1e3 * copy_s:.2f} ms"
+    )
     assert times[160] < copy_s / 2, "a batch takes as long as copying the volume"
     assert times[160] < 3 * times[16] + 0.005, "batches take longer from a larger box"

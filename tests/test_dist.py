@@ -33,17 +33,28 @@ def test_non_integer_and_inconsistent_values():
 
 
 SRUN_TASK = {
-    "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
-    "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "nid[001-002]",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "5",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS": "8",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+    "SLURM_STEP_NODELIST": "nid[001-002]",
     "SLURM_JOB_NODELIST": "nid[001-002]",
-}  # fmt: skip
+}
 
 
 def test_from_srun_task():
     env = DistEnv.from_environ(SRUN_TASK)
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (5, 1, 8, 4)
     assert env.master_addr == "nid001" and env.source == "slurm"
-    assert env.master_port == DistEnv.from_environ({**SRUN_TASK, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}).master_port
+    assert (
+        env.master_port
+        == DistEnv.from_environ(
+            {**SRUN_TASK, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+        ).master_port
+    )
     assert env.master_port != DistEnv.from_environ({**SRUN_TASK, "SLURM_JOB_ID": "4243"}).master_port
     override = DistEnv.from_environ({**SRUN_TASK, "MASTER_ADDR": "head", "MASTER_PORT": "1234"})
     assert (override.master_addr, override.master_port) == ("head", 1234)
@@ -63,7 +74,9 @@ def test_launcher_inside_a_step_is_trusted_unless_it_contradicts_the_tasks():
     assert (inside.rank, inside.source) == (3, "launcher")
     # Every srun task told it is rank 0 (RANK exported in the batch script): the reported bug.
     with pytest.raises(DistError, match="RANK=0 contradicts SLURM_PROCID=5 .* unset RANK"):
-        DistEnv.from_environ({**SRUN_TASK, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "x", "MASTER_PORT": "1"})
+        DistEnv.from_environ(
+            {**SRUN_TASK, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+        )
 
 
 def test_incomplete_slurm_step_is_named():
@@ -74,7 +87,12 @@ def test_incomplete_slurm_step_is_named():
 
 @pytest.mark.parametrize(
     "nodelist, first",
-    [("localhost", "localhost"), ("nid[001-004,010]", "nid001"), ("gpu7,gpu[1-3]", "gpu7"), ("rack[2-3]-n[05,07]", "rack2-n05")],
+    [
+        ("localhost", "localhost"),
+        ("nid[001-004,010]", "nid001"),
+        ("gpu7,gpu[1-3]", "gpu7"),
+        ("rack[2-3]-n[05,07]", "rack2-n05"),
+    ],
 )
 def test_first_host_of_a_node_list(nodelist, first):
     assert first_host(nodelist) == first
@@ -92,16 +110,22 @@ GPU_PER_TASK = {"SLURM_GPUS_PER_TASK": "1", "SLURM_PROCID": "3", "CUDA_VISIBLE_D
 
 @pytest.mark.parametrize(
     "local_rank, local_world_size, visible, env, index",
-    [(0, 1, 1, {}, 0), (3, 4, 1, GPU_PER_TASK, 0), (3, 4, 4, {}, 3),
-     (1, 2, 8, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 1)],
-)  # fmt: skip
+    [
+        (0, 1, 1, {}, 0),
+        (3, 4, 1, GPU_PER_TASK, 0),
+        (3, 4, 4, {}, 3),
+        (1, 2, 8, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, 1),
+    ],
+)
 def test_each_rank_gets_its_own_gpu(local_rank, local_world_size, visible, env, index):
     assert gpu_index(local_rank, local_world_size, visible, env, srun_tasks=env is GPU_PER_TASK) == index
 
 
 @pytest.mark.parametrize("env", [{}, {"CUDA_VISIBLE_DEVICES": "0,1"}])  # deepspeed --num_gpus 4 on a node with 2 GPUs
 def test_ranks_that_would_share_a_gpu_are_an_error(env):
-    with pytest.raises(DistError, match="4 ranks on this node but 2 GPU\\(s\\) visible to each.*: run one rank per GPU"):
+    with pytest.raises(
+        DistError, match="4 ranks on this node but 2 GPU\\(s\\) visible to each.*: run one rank per GPU"
+    ):
         gpu_index(3, 4, 2, env, srun_tasks=False)
     with pytest.raises(DistError, match="2 ranks on this node but 1 GPU\\(s\\) visible to each"):
         gpu_index(1, 2, 1, env, srun_tasks=False)
@@ -109,8 +133,11 @@ def test_ranks_that_would_share_a_gpu_are_an_error(env):
 
 def test_one_visible_gpu_exported_to_every_rank_is_not_a_gpu_per_task():
     """CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node 2: each rank sees one GPU, the same one."""
-    with pytest.raises(DistError, match="2 ranks on this node but 1 GPU\\(s\\) visible to each "
-                                        "\\(CUDA_VISIBLE_DEVICES=0 for every rank\\).*--gpus-per-task 1"):  # fmt: skip
+    with pytest.raises(
+        DistError,
+        match="2 ranks on this node but 1 GPU\\(s\\) visible to each "
+        "\\(CUDA_VISIBLE_DEVICES=0 for every rank\\).*--gpus-per-task 1",
+    ):
         gpu_index(1, 2, 1, {"CUDA_VISIBLE_DEVICES": "0", "LOCAL_RANK": "1"}, srun_tasks=False)
     # Inside an srun step without --gpus-per-task, the tasks of a node share what they see.
     with pytest.raises(DistError, match="visible to each"):

@@ -15,20 +15,37 @@ DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 def _args(tmp_path, run_dir, *extra):
     data = tmp_path.parent / "dist-data"
-    return [*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"), "--run_dir", str(run_dir), *extra]
+    return [
+        *TINY_ARGS,
+        "--train_path",
+        str(data / "train.h5"),
+        "--val_path",
+        str(data / "val.h5"),
+        "--run_dir",
+        str(run_dir),
+        *extra,
+    ]
 
 
 def _summary(run_dir):
     return json.loads((run_dir / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("launcher", [[*DEEPSPEED, "--num_gpus", "2"], [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]], ids=["deepspeed", "torchrun"])  # fmt: skip
+@pytest.mark.parametrize(
+    "launcher",
+    [[*DEEPSPEED, "--num_gpus", "2"], [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]],
+    ids=["deepspeed", "torchrun"],
+)
 def test_two_ranks_through_a_launcher(tmp_path, launcher):
     run = tmp_path / "run"
     result = subprocess.run(
         [*launcher, "ds_train.py", *_args(tmp_path, run, "--num_epochs", "2")],
-        cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env=single_process_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _summary(run)
     assert (summary["world_size"], summary["launched_by"]) == (2, "launcher")
@@ -83,8 +100,11 @@ def test_a_dead_rank_ends_the_job_promptly(tmp_path):
     run = tmp_path / "run"
     launcher = subprocess.Popen(
         [*DEEPSPEED, "--num_gpus", "2", "ds_train.py", *_args(tmp_path, run, "--num_epochs", "200")],
-        cwd=REPO, env=single_process_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=REPO,
+        env=single_process_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 120
         while not (run / "metrics.jsonl").exists() or "loss/train" not in (run / "metrics.jsonl").read_text():
@@ -123,10 +143,24 @@ def slurm(tmp_path_factory):
 def _sbatch(env, tmp_path, extra_env, *args):
     env = {**env, "RUNS_DIR": str(tmp_path / "runs"), "PYTHON": sys.executable, **extra_env}
     out = subprocess.run(
-        ["sbatch", "--parsable", "-N", "1", "--ntasks-per-node", "2", "-o", str(tmp_path / "job-%j.out"),
-         "slurm/train.sbatch", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            "-N",
+            "1",
+            "--ntasks-per-node",
+            "2",
+            "-o",
+            str(tmp_path / "job-%j.out"),
+            "slurm/train.sbatch",
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return out.stdout.strip().split(";")[0]
 
 
@@ -176,8 +210,13 @@ def test_sbatch_trains_with_two_tasks(slurm, tmp_path, launcher, launched_by):
 def test_sbatch_job_fails_when_a_task_dies(slurm, tmp_path):
     job = _sbatch(slurm, tmp_path, {"LAUNCHER": "srun"}, *_job_args(tmp_path, 200))
     _wait_for_training(tmp_path / "runs")
-    victims = [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("SLURM_JOB_ID") == job
-               and (p.info["environ"] or {}).get("SLURM_PROCID") == "1" and "ds_train.py" in " ".join(p.cmdline())]  # fmt: skip
+    victims = [
+        p
+        for p in psutil.process_iter(["environ"])
+        if (p.info["environ"] or {}).get("SLURM_JOB_ID") == job
+        and (p.info["environ"] or {}).get("SLURM_PROCID") == "1"
+        and "ds_train.py" in " ".join(p.cmdline())
+    ]
     assert victims, "rank 1 not found"
     victims[0].kill()
     killed = time.time()
@@ -188,12 +227,18 @@ def test_sbatch_job_fails_when_a_task_dies(slurm, tmp_path):
 
 def test_hostfile_from_the_allocation(slurm, tmp_path):
     script = tmp_path / "hostfile.sh"
-    script.write_text(f"#!/bin/bash\ncd {REPO}\nGPUS_PER_NODE=3 bash slurm/make_hostfile.sh\nbash slurm/make_hostfile.sh\n")
-    out = subprocess.run(["sbatch", "--parsable", "-n", "2", "-o", str(tmp_path / "h.out"), str(script)],
-                         env=slurm, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    script.write_text(
+        f"#!/bin/bash\ncd {REPO}\nGPUS_PER_NODE=3 bash slurm/make_hostfile.sh\nbash slurm/make_hostfile.sh\n"
+    )
+    out = subprocess.run(
+        ["sbatch", "--parsable", "-n", "2", "-o", str(tmp_path / "h.out"), str(script)],
+        env=slurm,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert _wait(slurm, out)[0] == "COMPLETED"
     assert (tmp_path / "h.out").read_text().splitlines() == ["localhost slots=3", "localhost slots=2"]
-
 
 
 def test_sbatch_stops_on_the_time_limit_signal_and_requeues_itself(slurm, tmp_path):

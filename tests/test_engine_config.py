@@ -30,7 +30,10 @@ def test_batch_plan(global_batch, micro, world, expected):
 
 @pytest.mark.parametrize(
     "global_batch, micro, world, message",
-    [(64, None, 3, "not divisible by the world size 3"), (64, 24, 2, "32 per rank, not a multiple of micro_batch_size 24")],
+    [
+        (64, None, 3, "not divisible by the world size 3"),
+        (64, 24, 2, "32 per rank, not a multiple of micro_batch_size 24"),
+    ],
 )
 def test_inconsistent_batches_are_errors(global_batch, micro, world, message):
     with pytest.raises(ConfigError, match=message):
@@ -50,7 +53,11 @@ def probe(monkeypatch):
 def test_shipped_configs_keep_the_recipe(name, problem, monkeypatch):
     monkeypatch.setattr(engine, "fused_adam_problem", lambda: problem)
     cfg = resolve_ds_config(load_ds_template(REPO / "ds_configs" / name), BatchPlan(16, 2, 2), 3e-4, "cuda")
-    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (64, 16, 2)
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (
+        64,
+        16,
+        2,
+    )
     assert cfg["optimizer"]["type"] == "Adam" and cfg["optimizer"]["params"]["adam_w_mode"] is False
     assert cfg["optimizer"]["params"]["lr"] == 3e-4
     # DeepSpeed's FusedAdam on GPUs, torch's fused Adam where it cannot be built
@@ -87,8 +94,10 @@ def test_fused_adam_that_cannot_be_built_gives_way_to_torchs_with_one_warning(mo
         cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cuda")
     assert cfg["optimizer"]["params"]["torch_adam"] is True and cfg["optimizer"]["params"]["fused"] is True
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == ["DeepSpeed's FusedAdam cannot be built here (ninja is not on PATH (pip install ninja)): "
-                        "training with torch's fused Adam"]  # fmt: skip
+    assert warnings == [
+        "DeepSpeed's FusedAdam cannot be built here (ninja is not on PATH (pip install ninja)): "
+        "training with torch's fused Adam"
+    ]
     # A build from before counts: the cached extension is loaded, nothing is compiled.
     from deepspeed.accelerator import get_accelerator
 
@@ -99,7 +108,9 @@ def test_fused_adam_that_cannot_be_built_gives_way_to_torchs_with_one_warning(mo
     probe.cache_clear()
     assert probe() is None
     # A user's explicit choice stands.
-    mine = resolve_ds_config({"optimizer": {"type": "Adam", "params": {"torch_adam": False}}}, BatchPlan(4, 1, 1), 1e-3, "cuda")
+    mine = resolve_ds_config(
+        {"optimizer": {"type": "Adam", "params": {"torch_adam": False}}}, BatchPlan(4, 1, 1), 1e-3, "cuda"
+    )
     assert mine["optimizer"]["params"] == {"torch_adam": False, "lr": 1e-3, "adam_w_mode": False}
 
 

@@ -28,7 +28,10 @@ def volumes(tiny_data):
 
 
 def _epoch(loader):
-    return [(inp.clone(memory_format=torch.preserve_format), tar.clone(memory_format=torch.preserve_format)) for inp, tar in loader]
+    return [
+        (inp.clone(memory_format=torch.preserve_format), tar.clone(memory_format=torch.preserve_format))
+        for inp, tar in loader
+    ]
 
 
 PLAN = EveryRotation(seed=0, num_samples=28, batch_size=8, box_size=32, crop_size=CROP, rotate=True)
@@ -73,7 +76,9 @@ def test_channels_last_on_the_device_paths(volumes, backend, source, rotate):
             loader = TorchLoader(device=CPU, rotate_on_device=True, **feed, **common)
         outputs[channels_last] = _epoch(loader)
     for (a_inp, a_tar), (b_inp, b_tar) in zip(outputs[False], outputs[True], strict=True):
-        assert b_inp.is_contiguous(memory_format=CHANNELS_LAST) and torch.equal(a_inp, b_inp) and torch.equal(a_tar, b_tar)
+        assert (
+            b_inp.is_contiguous(memory_format=CHANNELS_LAST) and torch.equal(a_inp, b_inp) and torch.equal(a_tar, b_tar)
+        )
 
 
 def test_channels_last_gradients_match_the_plain_path():
@@ -95,8 +100,20 @@ def test_channels_last_gradients_match_the_plain_path():
 
 def _final_val_loss(tmp_path, name, *extra):
     data = tmp_path.parent / "fast-data"
-    result = run_train([*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"),
-                        "--run_dir", str(tmp_path / name), "--num_epochs", "2", *extra])  # fmt: skip
+    result = run_train(
+        [
+            *TINY_ARGS,
+            "--train_path",
+            str(data / "train.h5"),
+            "--val_path",
+            str(data / "val.h5"),
+            "--run_dir",
+            str(tmp_path / name),
+            "--num_epochs",
+            "2",
+            *extra,
+        ]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads((tmp_path / name / "summary.json").read_text())["final_val_loss"]
 
@@ -111,10 +128,29 @@ def test_switches_warn_where_they_cannot_work(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the warning is for machines without a GPU")
     data = tmp_path / "data"
-    result = run_train([*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"),
-                        "--run_dir", str(tmp_path / "run"), "--num_epochs", "1", "--cudnn_benchmark", "true",
-                        "--science_box_size", "16", "--storage", "host", "--device_storage_dtype", "float16",
-                        "--compile_mode", "reduce-overhead"])  # fmt: skip
+    result = run_train(
+        [
+            *TINY_ARGS,
+            "--train_path",
+            str(data / "train.h5"),
+            "--val_path",
+            str(data / "val.h5"),
+            "--run_dir",
+            str(tmp_path / "run"),
+            "--num_epochs",
+            "1",
+            "--cudnn_benchmark",
+            "true",
+            "--science_box_size",
+            "16",
+            "--storage",
+            "host",
+            "--device_storage_dtype",
+            "float16",
+            "--compile_mode",
+            "reduce-overhead",
+        ]
+    )
     assert result.returncode == 0 and "cudnn_benchmark has no effect without a GPU" in result.stderr
     assert "science_box_size has no effect without science_every_epochs" in result.stderr
     assert "device_storage_dtype has no effect with storage 'host'" in result.stderr
@@ -235,9 +271,26 @@ def test_engine_steps_do_not_synchronize_the_device():
 def _training_losses(tmp_path, name, *extra):
     """Every logged training loss of a 2-epoch run of the tiny config, fp32, one log point per optimizer step."""
     data = tmp_path.parent / "fast-data"
-    result = run_train([*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"),
-                        "--run_dir", str(tmp_path / name), "--num_epochs", "2", "--log_every_steps", "1",
-                        "--deepspeed_config", "ds_configs/ds_fp32.json", "--cudnn_benchmark", "false", *extra])  # fmt: skip
+    result = run_train(
+        [
+            *TINY_ARGS,
+            "--train_path",
+            str(data / "train.h5"),
+            "--val_path",
+            str(data / "val.h5"),
+            "--run_dir",
+            str(tmp_path / name),
+            "--num_epochs",
+            "2",
+            "--log_every_steps",
+            "1",
+            "--deepspeed_config",
+            "ds_configs/ds_fp32.json",
+            "--cudnn_benchmark",
+            "false",
+            *extra,
+        ]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return [r["loss/train"] for r in records if "loss/train" in r]

@@ -21,14 +21,32 @@ from tests.conftest import TINY_ARGS, run_train
 GOLDEN = Path(__file__).parent / "golden" / "tiny_run.json"
 RTOL = 1e-3
 # fp32, torch backend (the default on a CPU), one epoch of 16 optimizer steps, a loss logged at each.
-OPTIONS = ["--num_epochs", "1", "--log_every_steps", "1", "--deepspeed_config", "ds_configs/ds_fp32.json",
-           "--backend", "torch"]  # fmt: skip
+OPTIONS = [
+    "--num_epochs",
+    "1",
+    "--log_every_steps",
+    "1",
+    "--deepspeed_config",
+    "ds_configs/ds_fp32.json",
+    "--backend",
+    "torch",
+]
 
 
 def _run(tmp_path) -> dict[str, list[float]]:
     data = tmp_path / "data"
-    result = run_train([*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"),
-                        "--run_dir", str(tmp_path / "run"), *OPTIONS])  # fmt: skip
+    result = run_train(
+        [
+            *TINY_ARGS,
+            "--train_path",
+            str(data / "train.h5"),
+            "--val_path",
+            str(data / "val.h5"),
+            "--run_dir",
+            str(tmp_path / "run"),
+            *OPTIONS,
+        ]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     return {

@@ -19,8 +19,13 @@ from tests.conftest import REPO
 
 # What bench/offline_wheels.sh assumes the GPU machine has; DALI's image codecs are left out on purpose.
 PROVIDED = {"torch", "numpy"}
-DALI_CODECS = {"nvidia-libnvcomp-cu12", "nvidia-nvimgcodec-cu12", "nvidia-nvjpeg-cu12", "nvidia-nvjpeg2k-cu12",
-               "nvidia-nvtiff-cu12"}  # fmt: skip
+DALI_CODECS = {
+    "nvidia-libnvcomp-cu12",
+    "nvidia-nvimgcodec-cu12",
+    "nvidia-nvjpeg-cu12",
+    "nvidia-nvjpeg2k-cu12",
+    "nvidia-nvtiff-cu12",
+}
 
 
 def _closure(roots: set[str]) -> set[str]:
@@ -50,8 +55,11 @@ def _shipped(dali: bool) -> set[str]:
 
 def test_the_offline_wheels_cover_what_the_project_deepspeed_and_the_tests_require():
     given = _closure(PROVIDED)
-    project = {line.split("==")[0] for line in (REPO / "requirements.txt").read_text().splitlines()
-               if "==" in line and not line.startswith("#")} - {"nvidia-dali-cuda120", "matplotlib"}  # fmt: skip
+    project = {
+        line.split("==")[0]
+        for line in (REPO / "requirements.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    } - {"nvidia-dali-cuda120", "matplotlib"}
     needed = _closure(project | {"pytest"}) - given
     assert needed - _shipped(dali=False) == set()
     # pydantic needs a newer typing-extensions than torch images tend to carry: shipped although torch brings one
@@ -63,8 +71,14 @@ def test_the_offline_wheels_cover_what_the_project_deepspeed_and_the_tests_requi
 
 def test_offline_wheels_ships_the_list(tmp_path):
     """The script asks pip for exactly the listed packages, at their pins (pip itself is echoed here)."""
-    result = subprocess.run(["bash", "bench/offline_wheels.sh", str(tmp_path / "wheels"), "3.12"], cwd=REPO,
-                            env={**os.environ, "PIP": "echo"}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        ["bash", "bench/offline_wheels.sh", str(tmp_path / "wheels"), "3.12"],
+        cwd=REPO,
+        env={**os.environ, "PIP": "echo"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     asked = {word.split("==")[0].lower() for word in result.stdout.split() if "==" in word}
     assert asked == {d.lower() for d, _ in listed(dali=False)}
@@ -80,8 +94,13 @@ sys.exit(main([]))
 
 
 def test_preflight_names_every_missing_module_at_once():
-    result = subprocess.run([sys.executable, "-c", PREFLIGHT_WITHOUT, "einops", "msgpack", "yaml"], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", PREFLIGHT_WITHOUT, "einops", "msgpack", "yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "einops (pip: einops)" in lines[0] and "msgpack (pip: msgpack)" in lines[0]
@@ -101,13 +120,18 @@ def test_preflight_refuses_a_package_too_old_to_work_and_names_ones_older_than_t
     grpc.mkdir()
     (grpc / "METADATA").write_text("Metadata-Version: 2.1\nName: grpcio\nVersion: 1.0.0\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
-    result = subprocess.run([sys.executable, "-m", "bench.preflight"], cwd=REPO, env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.preflight"], cwd=REPO, env=env, capture_output=True, text=True
+    )
     assert result.returncode == (2 if refused else 0), result.stderr
     assert ("typing_extensions 4.5.0 is older than the 4.16 the project needs" in result.stderr) is refused
     assert "grpcio 1.0.0 (pinned: 1.85.3)" in result.stdout
 
 
 def test_preflight_command_line_errors_are_one_line():
-    result = subprocess.run([sys.executable, "-m", "bench.preflight", "--dail"], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.preflight", "--dail"], cwd=REPO, capture_output=True, text=True
+    )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "python -m bench.preflight: error: unrecognized arguments: --dail"]
+        "python -m bench.preflight: error: unrecognized arguments: --dail"
+    ]

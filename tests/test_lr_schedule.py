@@ -11,7 +11,9 @@ from trainer.lr_schedule import ScaledCosineSchedule
 
 def _schedule(**kw):
     opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=123.0)
-    args = dict(start_lr=2e-4, end_lr=1e-6, warmup_steps=10, total_steps=100, scaling="sqrt", global_batch=256, base_batch=64)
+    args = dict(
+        start_lr=2e-4, end_lr=1e-6, warmup_steps=10, total_steps=100, scaling="sqrt", global_batch=256, base_batch=64
+    )
     args.update(kw)
     return opt, ScaledCosineSchedule(opt, **args)
 
@@ -81,7 +83,8 @@ from trainer.lr_schedule import ScaledCosineSchedule
 from trainer.trainer import init_distributed
 
 device = init_distributed(DistEnv.from_environ(), 60.0)
-config = resolve_ds_config(load_ds_template(REPO / "ds_configs" / "ds_bf16.json"), BatchPlan(2, 1, 1), 1e-3, device.type)
+template = load_ds_template(REPO / "ds_configs" / "ds_bf16.json")
+config = resolve_ds_config(template, BatchPlan(2, 1, 1), 1e-3, device.type)
 torch.manual_seed(0)
 net = torch.nn.Linear(4, 1)
 make = lambda opt: ScaledCosineSchedule(opt, start_lr=1e-3, end_lr=1e-5, warmup_steps=0, total_steps=10,
@@ -109,8 +112,9 @@ def test_steps_skipped_for_overflow_keep_the_schedule_at_the_engines_step(follow
     here, which a CPU runs and which skips the same way). Following the engine, the schedule still gives step t the
     lr of step t and ends at end_lr; without it, it falls behind by every skipped step."""
     script = SKIPPED_STEPS.replace("FOLLOW", str(follow))
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=single_process_env(), capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.split()}
     assert lines["skipped"][:4] == ["3", "global", "10", "taken"]

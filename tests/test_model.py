@@ -35,7 +35,9 @@ def test_reference_init():
     torch.manual_seed(0)
     net = UNet(width=8, depth=3)
     net.init_weights(conv_scale=0.02, conv_bias=0.0)
-    weights = torch.cat([m.weight.flatten() for m in net.modules() if isinstance(m, (torch.nn.Conv3d, torch.nn.ConvTranspose3d))])
+    weights = torch.cat(
+        [m.weight.flatten() for m in net.modules() if isinstance(m, (torch.nn.Conv3d, torch.nn.ConvTranspose3d))]
+    )
     assert weights.std().item() == pytest.approx(0.02, rel=0.05)
     assert all(torch.all(m.bias == 0) for m in net.modules() if hasattr(m, "bias") and m.bias is not None)
 

@@ -55,7 +55,9 @@ def _batcher(volumes, plan, rotate_here, hold=2):
 # The CPU path: the batcher rotates while cutting (the reference code itself), DALI or torch deliver.
 def test_dali_with_rotating_batcher(volumes):
     plan = _plan()
-    loader = DaliLoader(plan=plan, augmenter=AUG, crops=BatcherCrops(_batcher(volumes, plan, True)), device_id=None, dtype=torch.float32)
+    loader = DaliLoader(
+        plan=plan, augmenter=AUG, crops=BatcherCrops(_batcher(volumes, plan, True)), device_id=None, dtype=torch.float32
+    )
     _check_against_reference(loader, plan, volumes)
 
 
@@ -64,15 +66,18 @@ def test_cpu_batches_of_the_torch_backend_are_read_in_place_and_stay_intact_thro
     consumer has asked for the batch after next (a training step reads its batch while the next is prepared)."""
     plan = _plan(num_samples=64, batch_size=8)
     for lookahead in (0, 1, 3):
-        loader = build_loader(volumes, plan, AUG, LoaderSettings("torch", "host", "float32", 2, lookahead), "host", CPU,
-                              torch.float32)  # fmt: skip
+        loader = build_loader(
+            volumes, plan, AUG, LoaderSettings("torch", "host", "float32", 2, lookahead), "host", CPU, torch.float32
+        )
         previous, buffers = None, set()
         for b, (inp, tar) in enumerate(loader):
             buffers.add(inp.untyped_storage().data_ptr())
             if previous is not None:  # the batch before this one, untouched although this one was cut since
                 for j, draw in enumerate(plan.batch_draws(0, b - 1)):
                     ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
-                    assert np.array_equal(previous[0][j].numpy(), ref_inp) and np.array_equal(previous[1][j].numpy(), ref_tar)
+                    assert np.array_equal(previous[0][j].numpy(), ref_inp) and np.array_equal(
+                        previous[1][j].numpy(), ref_tar
+                    )
             previous = (inp, tar)
         loader.close()
         assert len(buffers) == lookahead + 2  # the ring's buffers, reused: no new tensor per batch
@@ -169,7 +174,7 @@ def test_guarded_buffers_are_cut_into_only_after_their_guard(volumes):
             batcher.guard(batch, guards[-1])
     ring = 2 + 1 + 1
     # Every buffer that came round again waited for its guard first; the last ring's worth may still be held.
-    assert all(g.done for g in guards[: -ring]) and len(guards) == 12
+    assert all(g.done for g in guards[:-ring]) and len(guards) == 12
     batcher.close()
 
 
@@ -185,7 +190,9 @@ def test_draws_are_deterministic_and_differ_by_rank_and_epoch():
     assert len({d.rotation for d in draws(10, 0) + draws(10, 1) + draws(10, 2)}) == len(ROTATIONS)
     assert {d.rotation for d in (train_draw(10, 0, i, 64, 32, False) for i in range(32))} == {0}
     # Validation crops are one fixed set, whatever the rank; a rank's plan takes its own slice of it.
-    plan = DrawPlan(seed=0, num_samples=4, batch_size=4, box_size=64, crop_size=32, rotate=False, validation=True, first_index=4)
+    plan = DrawPlan(
+        seed=0, num_samples=4, batch_size=4, box_size=64, crop_size=32, rotate=False, validation=True, first_index=4
+    )
     assert plan.batch_draws(0, 0) == plan.batch_draws(3, 0) == [val_draw(0, i, 64, 32) for i in range(4, 8)]
 
 
@@ -193,12 +200,24 @@ def test_draws_are_deterministic_and_differ_by_rank_and_epoch():
     "mutate, message",
     [
         (lambda f: f.__delitem__("Hydro"), "no dataset 'Hydro'"),
-        (lambda f: (f.__delitem__("Nbody"), f.create_dataset("Nbody", data=np.zeros((3, 8, 8, 8), np.float32))), "has 3 channels"),
-        (lambda f: (f.__delitem__("Nbody"), f.create_dataset("Nbody", data=np.zeros((4, 8, 8, 4), np.float32))), "expected \\(channels, L, L, L\\)"),
-        (lambda f: (f.__delitem__("Nbody"), f.create_dataset("Nbody", data=np.zeros((4, 32, 32, 32), np.int16))), "expected floating point"),
-        (lambda f: (f.__delitem__("Nbody"), f.create_dataset("Nbody", data=np.zeros((4, 16, 16, 16), np.float32))), "cover different boxes"),
+        (
+            lambda f: (f.__delitem__("Nbody"), f.create_dataset("Nbody", data=np.zeros((3, 8, 8, 8), np.float32))),
+            "has 3 channels",
+        ),
+        (
+            lambda f: (f.__delitem__("Nbody"), f.create_dataset("Nbody", data=np.zeros((4, 8, 8, 4), np.float32))),
+            "expected \\(channels, L, L, L\\)",
+        ),
+        (
+            lambda f: (f.__delitem__("Nbody"), f.create_dataset("Nbody", data=np.zeros((4, 32, 32, 32), np.int16))),
+            "expected floating point",
+        ),
+        (
+            lambda f: (f.__delitem__("Nbody"), f.create_dataset("Nbody", data=np.zeros((4, 16, 16, 16), np.float32))),
+            "cover different boxes",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_hdf5_files_are_named(tmp_path, tiny_data, mutate, message):
     import shutil
 
@@ -213,7 +232,9 @@ def test_bad_hdf5_files_are_named(tmp_path, tiny_data, mutate, message):
 
 def test_bad_npy_files_are_named(tmp_path, volumes):
     files = _npy_files(tmp_path, volumes, "DHWC")
-    with pytest.raises(DataError, match="shape \\(32, 32, 32, 4\\), expected \\(channels, L, L, L\\) as npy_layout CDHW"):
+    with pytest.raises(
+        DataError, match="shape \\(32, 32, 32, 4\\), expected \\(channels, L, L, L\\) as npy_layout CDHW"
+    ):
         VolumePair.open(VolumeFiles.npy(files.inputs, files.targets, "CDHW"), 4, 5, CROP)
     with pytest.raises(DataError, match="label_DHWC.npy: the target array has 5 channels, the model expects 4"):
         VolumePair.open(VolumeFiles.npy(files.targets, files.targets, "DHWC"), 5, 4, CROP)

@@ -56,8 +56,19 @@ def trained(tmp_path_factory):
     """A tiny model trained for two epochs: its mapping is local, and crop faces are where it errs."""
     root = tmp_path_factory.mktemp("trained")
     data, run = root / "data", root / "run"
-    result = run_train([*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"),
-                        "--run_dir", str(run), "--num_epochs", "2"])  # fmt: skip
+    result = run_train(
+        [
+            *TINY_ARGS,
+            "--train_path",
+            str(data / "train.h5"),
+            "--val_path",
+            str(data / "val.h5"),
+            "--run_dir",
+            str(run),
+            "--num_epochs",
+            "2",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return {"run": run, "train": data / "train.h5", "val": data / "val.h5"}
 
@@ -71,8 +82,10 @@ def _centre_reference(net, volume, crop, centre):
         for first in range(0, len(corners), 128):
             group = corners[first : first + 128]
             tiles = [periodic_window(volume, tuple((c - offset) % box for c in corner), crop) for corner in group]
-            for (x, y, z), p in zip(group, net(torch.from_numpy(np.stack(tiles))).numpy()):
-                out[:, x : x + centre, y : y + centre, z : z + centre] = p[:, offset : offset + centre, offset : offset + centre, offset : offset + centre]
+            for (x, y, z), p in zip(group, net(torch.from_numpy(np.stack(tiles))).numpy(), strict=True):
+                out[:, x : x + centre, y : y + centre, z : z + centre] = p[
+                    :, offset : offset + centre, offset : offset + centre, offset : offset + centre
+                ]
     return out
 
 
@@ -123,7 +136,9 @@ def test_compare_on_identical_and_noisy_boxes():
     assert same["l1_mean"] == 0 and same["log_density_pdf"]["l1_distance"] == 0
     assert np.allclose(same["gas_density"]["r"], 1) and np.allclose(same["temperature"]["power_ratio"], 1)
     noisy = compare(true + rng.normal(0, 0.1, true.shape).astype(np.float32), true, norm)
-    assert all(r < 1 for r in noisy["gas_density"]["r"]) and noisy["summary"]["gas_density_power_ratio_large_scales"] > 1
+    assert (
+        all(r < 1 for r in noisy["gas_density"]["r"]) and noisy["summary"]["gas_density_power_ratio_large_scales"] > 1
+    )
     assert noisy["temperature_units"] == "T / T0" and len(noisy["temperature_density"]["median_log10_T_true"]) == 20
 
 
@@ -188,8 +203,21 @@ def test_predict_command_after_training(trained, tmp_path):
     assert not list(out.glob(".*.npy"))  # the on-disk accumulators are gone
     # The exported file predicts the same box to the bit, without DeepSpeed's checkpoint.
     export(from_run_dir(run), tmp_path / "emulator.pt")
-    assert predict_main(["--weights", str(tmp_path / "emulator.pt"), "--input", str(val),
-                         "--out", str(tmp_path / "exported"), "--overlap", "4"]) == 0  # fmt: skip
+    assert (
+        predict_main(
+            [
+                "--weights",
+                str(tmp_path / "emulator.pt"),
+                "--input",
+                str(val),
+                "--out",
+                str(tmp_path / "exported"),
+                "--overlap",
+                "4",
+            ]
+        )
+        == 0
+    )
     with h5py.File(tmp_path / "exported" / "prediction.h5") as f:
         assert np.array_equal(f["Hydro"][...], pred)
 
@@ -229,10 +257,27 @@ def test_export_never_replaces_a_file_unasked_and_bad_sources_are_one_line(train
 
 def test_science_metrics_during_training(trained, tmp_path):
     run = tmp_path / "run"
-    result = run_train([*TINY_ARGS, "--train_path", str(trained["train"]), "--val_path", str(trained["val"]),
-                        "--run_dir", str(run), "--num_epochs", "2", "--science_every_epochs", "2"])  # fmt: skip
+    result = run_train(
+        [
+            *TINY_ARGS,
+            "--train_path",
+            str(trained["train"]),
+            "--val_path",
+            str(trained["val"]),
+            "--run_dir",
+            str(run),
+            "--num_epochs",
+            "2",
+            "--science_every_epochs",
+            "2",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    science = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "science/l1_gas_density" in line]
+    science = [
+        json.loads(line)
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if "science/l1_gas_density" in line
+    ]
     assert [r["epoch"] for r in science] == [2]
     assert {"science/gas_density_power_ratio_large_scales", "science/temperature_r_small_scales"} <= set(science[0])
     assert science[0]["science/box_size"] == 32  # the whole validation box
@@ -240,11 +285,27 @@ def test_science_metrics_during_training(trained, tmp_path):
 
 def test_science_metrics_on_a_fixed_sub_volume(trained, tmp_path):
     run = tmp_path / "run"
-    result = run_train([*TINY_ARGS, "--train_path", str(trained["train"]), "--val_path", str(trained["val"]),
-                        "--run_dir", str(run), "--num_epochs", "2", "--science_every_epochs", "1",
-                        "--science_box_size", "16"])  # fmt: skip
+    result = run_train(
+        [
+            *TINY_ARGS,
+            "--train_path",
+            str(trained["train"]),
+            "--val_path",
+            str(trained["val"]),
+            "--run_dir",
+            str(run),
+            "--num_epochs",
+            "2",
+            "--science_every_epochs",
+            "1",
+            "--science_box_size",
+            "16",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    science = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "science/box_size" in line]
+    science = [
+        json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "science/box_size" in line
+    ]
     assert [(r["epoch"], r["science/box_size"]) for r in science] == [(1, 16), (2, 16)]
     assert science[0]["science/l1_gas_density"] != science[1]["science/l1_gas_density"]  # the same box, trained on
 
@@ -254,10 +315,32 @@ def test_predict_reads_npy_inputs(trained, tmp_path):
 
     data, _ = convert(trained["val"], tmp_path / "val", "DHWC")
     out = tmp_path / "npy"
-    args = ["--run_dir", str(trained["run"]), "--input", str(data), "--npy_layout", "DHWC", "--truth", str(trained["val"])]
+    args = [
+        "--run_dir",
+        str(trained["run"]),
+        "--input",
+        str(data),
+        "--npy_layout",
+        "DHWC",
+        "--truth",
+        str(trained["val"]),
+    ]
     assert predict_main([*args, "--out", str(out), "--overlap", "4"]) == 0
-    assert predict_main(["--run_dir", str(trained["run"]), "--input", str(trained["val"]), "--out", str(tmp_path / "h5"),
-                         "--overlap", "4"]) == 0  # fmt: skip
+    assert (
+        predict_main(
+            [
+                "--run_dir",
+                str(trained["run"]),
+                "--input",
+                str(trained["val"]),
+                "--out",
+                str(tmp_path / "h5"),
+                "--overlap",
+                "4",
+            ]
+        )
+        == 0
+    )
     with h5py.File(out / "prediction.h5") as a, h5py.File(tmp_path / "h5" / "prediction.h5") as b:
         assert np.array_equal(a["Hydro"][...], b["Hydro"][...])
     assert json.loads((out / "metrics.json").read_text())["l1_mean"] > 0

@@ -22,15 +22,34 @@ def data(tmp_path_factory):
     """The tiny boxes, written by a first short run."""
     root = tmp_path_factory.mktemp("reliability")
     paths = {"train": root / "train.h5", "val": root / "val.h5"}
-    result = run_train([*TINY_ARGS, "--train_path", str(paths["train"]), "--val_path", str(paths["val"]),
-                        "--run_dir", str(root / "first"), "--num_epochs", "1"])  # fmt: skip
+    result = run_train(
+        [
+            *TINY_ARGS,
+            "--train_path",
+            str(paths["train"]),
+            "--val_path",
+            str(paths["val"]),
+            "--run_dir",
+            str(root / "first"),
+            "--num_epochs",
+            "1",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return paths
 
 
 def _args(data, run_dir, *extra, train=None):
-    return [*TINY_ARGS, "--train_path", str(train or data["train"]), "--val_path", str(data["val"]),
-            "--run_dir", str(run_dir), *extra]  # fmt: skip
+    return [
+        *TINY_ARGS,
+        "--train_path",
+        str(train or data["train"]),
+        "--val_path",
+        str(data["val"]),
+        "--run_dir",
+        str(run_dir),
+        *extra,
+    ]
 
 
 def _one_error_line(result, code=2):
@@ -62,7 +81,7 @@ def test_nan_in_the_data_is_found_at_start_up(data, tmp_path):
 
 def test_truncated_hdf5(data, tmp_path):
     bad = tmp_path / "truncated.h5"
-    bad.write_bytes(data["train"].read_bytes()[: 200_000])
+    bad.write_bytes(data["train"].read_bytes()[:200_000])
     assert f"{bad}: not a readable HDF5 file" in _one_error_line(run_train(_args(data, tmp_path / "run", train=bad)))
 
 
@@ -96,7 +115,9 @@ def test_malformed_hostfiles(tmp_path):
         with pytest.raises(HostfileError, match=message):
             parse_hostfile(path)
     assert parse_hostfile(REPO / "hostfiles" / "two_nodes_4gpu") == [("nid001001", 4), ("nid001002", 4)]
-    cli = subprocess.run([sys.executable, "-m", "trainer.hostfile", str(path)], cwd=REPO, capture_output=True, text=True)
+    cli = subprocess.run(
+        [sys.executable, "-m", "trainer.hostfile", str(path)], cwd=REPO, capture_output=True, text=True
+    )
     assert cli.returncode == 2 and cli.stderr.strip().endswith("no hosts (every line is blank or a comment)")
 
 
@@ -122,7 +143,9 @@ def test_resume_refuses_an_incompatible_checkpoint_and_keeps_it(finished):
 
 
 def test_resume_refuses_changes_to_the_training_but_reports_harmless_ones(finished, tmp_path):
-    line = _one_error_line(run_train(["--run_dir", str(finished), "--resume", "--num_epochs", "5", "--lambda_rho", "0.1"]))
+    line = _one_error_line(
+        run_train(["--run_dir", str(finished), "--resume", "--num_epochs", "5", "--lambda_rho", "0.1"])
+    )
     assert "settings that change the training: lambda_rho 0.0 -> 0.1, num_epochs 2 -> 5" in line
     copy = tmp_path / "copy"
     shutil.copytree(finished, copy)
@@ -169,8 +192,13 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(data, tmp_path):
     # A model big enough (25 M parameters, about 300 MB of checkpoint) that a save takes a while.
     run = tmp_path / "run"
     args = _args(data, run, "--unet_width", "64", "--Nsamples", "16", "--Nsamples_val", "8", "--num_epochs", "3")
-    proc = subprocess.Popen([sys.executable, "ds_train.py", *args], cwd=REPO, env=TRAIN_ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "ds_train.py", *args],
+        cwd=REPO,
+        env=TRAIN_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ckpt = run / "checkpoints"
     try:
         deadline = time.time() + 240
@@ -199,8 +227,14 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(data, tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
 def test_stop_signal_checkpoints_exits_75_and_resume_continues_exactly(data, finished, tmp_path, sig):
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "ds_train.py", *_args(data, run, "--num_epochs", "2")], cwd=REPO,
-                            env=TRAIN_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "ds_train.py", *_args(data, run, "--num_epochs", "2")],
+        cwd=REPO,
+        env=TRAIN_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while not (run / "metrics.jsonl").exists() or '"step": 20,' not in (run / "metrics.jsonl").read_text():
         assert proc.poll() is None and time.time() < deadline
@@ -237,7 +271,10 @@ def test_nonfinite_losses_are_skipped_and_counted(data, tmp_path):
     "extra, message",
     [
         (["--nonfinite_loss", "stop"], "non-finite loss at epoch 1"),
-        (["--nonfinite_loss", "skip", "--max_nonfinite_in_a_row", "3", "--region", "all"], "3 non-finite losses in a row"),
+        (
+            ["--nonfinite_loss", "skip", "--max_nonfinite_in_a_row", "3", "--region", "all"],
+            "3 non-finite losses in a row",
+        ),
         (["--nonfinite_loss", "ignore"], "weights at step 16 are not finite: not saving them"),
     ],
 )
@@ -246,9 +283,13 @@ def test_nonfinite_losses_stop_the_run_as_configured(data, tmp_path, extra, mess
     extra = [e for e in extra if e not in ("--region", "all")]
     bad = _with_nan(data, tmp_path, region=region)
     run = tmp_path / "run"
-    line = _one_error_line(run_train(_args(data, run, *extra, "--num_epochs", "1", "--data_checks", "none", train=bad)), code=3)
+    line = _one_error_line(
+        run_train(_args(data, run, *extra, "--num_epochs", "1", "--data_checks", "none", train=bad)), code=3
+    )
     assert message in line
-    assert not list((run / "checkpoints").glob("step*")) if (run / "checkpoints").exists() else True  # nothing NaN saved
+    assert (
+        not list((run / "checkpoints").glob("step*")) if (run / "checkpoints").exists() else True
+    )  # nothing NaN saved
 
 
 def test_every_batch_data_check_catches_data_that_changes_under_a_run(data, tmp_path):
@@ -258,11 +299,37 @@ def test_every_batch_data_check_catches_data_that_changes_under_a_run(data, tmp_
     inputs, targets = convert(data["train"], tmp_path / "train", "CDHW")
     val_in, val_tar = convert(data["val"], tmp_path / "val", "CDHW")
     run = tmp_path / "run"
-    args = [*TINY_ARGS, "--synthetic", "null", "--data_format", "npy", "--storage", "lazy", "--data_checks", "every_batch",
-            "--train_path_npy_data", str(inputs), "--train_path_npy_label", str(targets), "--val_path_npy_data",
-            str(val_in), "--val_path_npy_label", str(val_tar), "--run_dir", str(run), "--num_epochs", "50"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "ds_train.py", *args], cwd=REPO, env=TRAIN_ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    args = [
+        *TINY_ARGS,
+        "--synthetic",
+        "null",
+        "--data_format",
+        "npy",
+        "--storage",
+        "lazy",
+        "--data_checks",
+        "every_batch",
+        "--train_path_npy_data",
+        str(inputs),
+        "--train_path_npy_label",
+        str(targets),
+        "--val_path_npy_data",
+        str(val_in),
+        "--val_path_npy_label",
+        str(val_tar),
+        "--run_dir",
+        str(run),
+        "--num_epochs",
+        "50",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "ds_train.py", *args],
+        cwd=REPO,
+        env=TRAIN_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while not (run / "metrics.jsonl").exists() or "loss/train" not in (run / "metrics.jsonl").read_text():
         assert proc.poll() is None and time.time() < deadline, "training did not start"
@@ -278,5 +345,7 @@ def test_every_batch_data_check_catches_data_that_changes_under_a_run(data, tmp_
 def test_yaml_booleans_get_a_hint():
     from trainer.config import ConfigError, build_config
 
-    with pytest.raises(ConfigError, match="data_checks must be one of .* got False \\(YAML reads yes/no/on/off as booleans"):
+    with pytest.raises(
+        ConfigError, match="data_checks must be one of .* got False \\(YAML reads yes/no/on/off as booleans"
+    ):
         build_config({"data_checks": False}, {})

@@ -104,6 +104,10 @@ def test_the_chunked_copy_equals_the_whole_view():
     box = rng.normal(size=(5, 37, 37, 37)).astype(np.float32)
     window = box[:, 1:36, 2:37, 0:35]  # a strided view, as the batcher reads from a volume
     for rot in ROTATIONS:
-        view = np.flip(np.transpose(window, (0, *(1 + p for p in rot.perm))), [1 + a for a in range(3) if rot.signs[a] < 0])
-        expected = view[[0, *(1 + p for p in rot.perm), 4]] * np.array([1, *rot.signs, 1], np.float32)[:, None, None, None]
+        view = np.flip(
+            np.transpose(window, (0, *(1 + p for p in rot.perm))), [1 + a for a in range(3) if rot.signs[a] < 0]
+        )
+        expected = (
+            view[[0, *(1 + p for p in rot.perm), 4]] * np.array([1, *rot.signs, 1], np.float32)[:, None, None, None]
+        )
         assert np.array_equal(rotate_volume(window, rot, [[1, 2, 3]]), expected), rot

@@ -19,7 +19,7 @@ def box():
 def test_deterministic_for_a_seed_and_different_across_seeds(box):
     again = generate_box(SPEC, 48, seed=5)
     other = generate_box(SPEC, 48, seed=6)
-    assert all(np.array_equal(a, b) for a, b in zip(box, again))
+    assert all(np.array_equal(a, b) for a, b in zip(box, again, strict=True))
     assert not np.allclose(box[0], other[0])
 
 

@@ -11,7 +11,16 @@ from tests.conftest import TINY_ARGS, run_train
 
 def _args(tmp_path, run_dir, *extra):
     data = tmp_path.parent / "tiny-data"  # shared by the runs of a test module
-    return [*TINY_ARGS, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5"), "--run_dir", str(run_dir), *extra]
+    return [
+        *TINY_ARGS,
+        "--train_path",
+        str(data / "train.h5"),
+        "--val_path",
+        str(data / "val.h5"),
+        "--run_dir",
+        str(run_dir),
+        *extra,
+    ]
 
 
 def _ok(result):
@@ -29,7 +38,17 @@ def straight(tmp_path_factory):
 
 def test_training_learns_and_leaves_a_complete_run_dir(straight):
     summary = json.loads((straight / "summary.json").read_text())
-    for key in ("initial_val_loss", "final_val_loss", "epochs", "steps", "wall_s", "samples_per_s", "world_size", "device", "precision"):
+    for key in (
+        "initial_val_loss",
+        "final_val_loss",
+        "epochs",
+        "steps",
+        "wall_s",
+        "samples_per_s",
+        "world_size",
+        "device",
+        "precision",
+    ):
         assert key in summary, key
     assert summary["final_val_loss"] < 0.7 * summary["initial_val_loss"]
     assert (summary["epochs"], summary["steps"], summary["world_size"], summary["precision"]) == (3, 48, 1, "fp32")
@@ -44,7 +63,9 @@ def test_training_learns_and_leaves_a_complete_run_dir(straight):
     valid = [r for r in records if "loss/valid" in r]
     assert [r["step"] for r in train] == list(range(4, 49, 4))
     assert [r["step"] for r in valid] == [0, 16, 32, 48]
-    assert valid[0]["loss/valid"] == summary["initial_val_loss"] and valid[-1]["loss/valid"] == summary["final_val_loss"]
+    assert (
+        valid[0]["loss/valid"] == summary["initial_val_loss"] and valid[-1]["loss/valid"] == summary["final_val_loss"]
+    )
     assert train[-1]["lr"] == 0.0  # the cosine reaches end_lr at the last step
     assert all(0 <= r["data_wait_pct"] <= 100 for r in train) and 0 <= summary["data_wait_pct"] <= 100
 
@@ -63,7 +84,10 @@ def test_training_learns_and_leaves_a_complete_run_dir(straight):
 
 def test_resume_continues_exactly(tmp_path, straight):
     run = tmp_path / "run"
-    first = json.loads(_ok(run_train(_args(tmp_path, run, "--num_epochs", "3", "--stop_after_epoch", "2"))) and (run / "summary.json").read_text())
+    first = json.loads(
+        _ok(run_train(_args(tmp_path, run, "--num_epochs", "3", "--stop_after_epoch", "2")))
+        and (run / "summary.json").read_text()
+    )
     assert (first["epochs"], first["finished"]) == (2, False)
     _ok(run_train(["--run_dir", str(run), "--resume"]))
     resumed = json.loads((run / "summary.json").read_text())
@@ -80,7 +104,12 @@ def test_backends_and_storage_modes_train_identically(tmp_path, straight):
     _ok(run_train(_args(tmp_path, tmp_path / "run", "--num_epochs", "3", "--backend", "dali")))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     expected = json.loads((straight / "summary.json").read_text())
-    assert (summary["backend"], summary["storage"], expected["backend"], expected["storage"]) == ("dali", "host", "torch", "host")
+    assert (summary["backend"], summary["storage"], expected["backend"], expected["storage"]) == (
+        "dali",
+        "host",
+        "torch",
+        "host",
+    )
     assert summary["final_val_loss"] == expected["final_val_loss"]
 
 
@@ -88,7 +117,10 @@ def test_a_new_run_never_reuses_a_run_dir_with_checkpoints(straight, tmp_path):
     before = sorted(p.stat().st_mtime_ns for p in (straight / "checkpoints").rglob("*"))
     result = run_train(_args(tmp_path, straight, "--num_epochs", "1"))
     assert result.returncode == 2
-    assert "holds an earlier run (config.json, metrics.jsonl, summary.json, train.log, tensorboard, checkpoints): --resume" in result.stderr
+    assert (
+        "holds an earlier run (config.json, metrics.jsonl, summary.json, train.log, tensorboard, checkpoints): --resume"
+        in result.stderr
+    )
     assert sorted(p.stat().st_mtime_ns for p in (straight / "checkpoints").rglob("*")) == before
 
 
@@ -144,7 +176,11 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="bf16 on CPU needs oneDNN")
 def test_bf16_on_cpu(tmp_path):
-    _ok(run_train(_args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--deepspeed_config", "ds_configs/ds_bf16.json")))
+    _ok(
+        run_train(
+            _args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--deepspeed_config", "ds_configs/ds_bf16.json")
+        )
+    )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["precision"] == "bf16"
     assert summary["final_val_loss"] < summary["initial_val_loss"]

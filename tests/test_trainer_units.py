@@ -26,11 +26,17 @@ def test_validation_share(num, batch, policy, world, expected):
 def test_data_keys_that_the_storage_mode_does_not_use():
     tuned = Config(num_data_workers=8, data_prefetch=4, device_storage_dtype="float16", gpu_direct_storage=True)
     # The GPU cuts the crops: no CPU threads; the torch backend prefetches nothing there, DALI does.
-    assert unused_data_keys(tuned, "device", "torch", "cuda") == ["num_data_workers", "data_prefetch", "gpu_direct_storage"]
+    assert unused_data_keys(tuned, "device", "torch", "cuda") == [
+        "num_data_workers",
+        "data_prefetch",
+        "gpu_direct_storage",
+    ]
     assert unused_data_keys(tuned, "device", "dali", "cuda") == ["num_data_workers", "gpu_direct_storage"]
     assert unused_data_keys(tuned, "host", "dali", "cuda") == ["device_storage_dtype", "gpu_direct_storage"]
     npy = dataclasses.replace(tuned, data_format="npy")  # GPUDirect Storage: DALI's numpy reader on a GPU only
     assert unused_data_keys(npy, "lazy", "dali", "cuda") == ["device_storage_dtype"]
     assert "gpu_direct_storage" in unused_data_keys(npy, "lazy", "dali", "cpu")
     assert "gpu_direct_storage" in unused_data_keys(npy, "lazy", "torch", "cuda")
-    assert unused_data_keys(Config(), "device", "dali", "cuda") == unused_data_keys(Config(), "lazy", "torch", "cpu") == []
+    assert (
+        unused_data_keys(Config(), "device", "dali", "cuda") == unused_data_keys(Config(), "lazy", "torch", "cpu") == []
+    )

@@ -63,8 +63,11 @@ def main(argv: list[str]) -> int:
     if problem is None:
         print(f"torch: no NVIDIA GPU: installing the CPU build of {requirement} from {cpu_index}", flush=True)
         return pip_install(requirement, cpu_index)  # a failure there is pip's to report: no CUDA build instead
-    print(f"torch: no NVIDIA GPU, and {cpu_index} cannot be used ({problem}): installing {requirement} from the "
-          "default index", flush=True)  # fmt: skip
+    print(
+        f"torch: no NVIDIA GPU, and {cpu_index} cannot be used ({problem}): installing {requirement} from the "
+        "default index",
+        flush=True,
+    )
     return pip_install(requirement, None)
 
 

@@ -77,7 +77,9 @@ def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], ke
     ckpt_dir = run_dir / CHECKPOINT_DIR
     tag = tag_for(engine.global_steps)
     if not weights_are_finite(engine):
-        raise NumericalError(f"weights at step {engine.global_steps} are not finite: not saving them (the last checkpoint is kept)")
+        raise NumericalError(
+            f"weights at step {engine.global_steps} are not finite: not saving them (the last checkpoint is kept)"
+        )
     partial = f".{tag}.partial"
     engine.save_checkpoint(str(ckpt_dir), tag=partial, client_state=client_state, save_latest=False)
     torch_dist.barrier()

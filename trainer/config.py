@@ -20,14 +20,13 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
 from pipeline.cli import ArgumentParser, existing_file, parent_problem
 from pipeline.rotations import check_vector_groups
 from pipeline.synthetic import SyntheticSpec
-
 
 DEFAULT_YAML = Path("ds_configs/UNet.yaml")
 
@@ -58,7 +57,7 @@ class LRSchedule:
 class WeightInit:
     conv_init: Literal["normal"] = _field("normal", "initialization of conv weights")
     conv_scale: float = _field(0.02, "standard deviation of the conv weights")
-    conv_bias: Optional[float] = _field(0.0, "value of the conv biases (null: keep PyTorch's init)")
+    conv_bias: float | None = _field(0.0, "value of the conv biases (null: keep PyTorch's init)")
 
 
 @dataclass
@@ -67,11 +66,15 @@ class Config:
     # Data
     train_path: str = _field("/data/downsamp_2048crop_train.h5", "HDF5 file with the training box")
     val_path: str = _field("/data/downsamp_1024crop_valid.h5", "HDF5 file with the validation box")
-    synthetic: Optional[SyntheticSpec] = _field(
+    synthetic: SyntheticSpec | None = _field(
         None, "if set, missing train/val files are generated from this synthetic spec on first use"
     )
-    data_format: Literal["hdf5", "npy"] = _field("hdf5", "hdf5: train_path/val_path; npy: the *_npy_data/*_npy_label files")
-    train_path_npy_data: str = _field("/data/downsamp_2048crop_train_data.npy", "training inputs as .npy (data_format npy)")
+    data_format: Literal["hdf5", "npy"] = _field(
+        "hdf5", "hdf5: train_path/val_path; npy: the *_npy_data/*_npy_label files"
+    )
+    train_path_npy_data: str = _field(
+        "/data/downsamp_2048crop_train_data.npy", "training inputs as .npy (data_format npy)"
+    )
     train_path_npy_label: str = _field("/data/downsamp_2048crop_train_label.npy", "training targets as .npy")
     val_path_npy_data: str = _field("/data/downsamp_1024crop_valid_data.npy", "validation inputs as .npy")
     val_path_npy_label: str = _field("/data/downsamp_1024crop_valid_label.npy", "validation targets as .npy")
@@ -84,7 +87,7 @@ class Config:
     device_storage_dtype: Literal["float32", "float16"] = _field(
         "float32",
         "precision of the input volume kept on the GPU (storage device); float16 halves it (the targets stay float32, "
-        "the precision of the loss)"
+        "the precision of the loss)",
     )
     backend: Literal["auto", "dali", "torch"] = _field(
         "auto",
@@ -92,7 +95,8 @@ class Config:
         "GPU, torch on a CPU (measured faster there)",
     )
     gpu_direct_storage: bool = _field(
-        False, "lazy .npy storage with the dali backend on a GPU: read crops straight into GPU memory (GPUDirect Storage)"
+        False,
+        "lazy .npy storage with the dali backend on a GPU: read crops straight into GPU memory (GPUDirect Storage)",
     )
     data_size: int = _field(64, "side of the training crops in voxels")
     Nsamples: int = _field(65536, "training samples per epoch (over all ranks)")
@@ -120,7 +124,7 @@ class Config:
     num_epochs: int = _field(10, "training epochs")
     global_batch_size: int = _field(64, "samples per optimizer step, over all ranks")
     base_batch_size: int = _field(64, "batch size at which lr_schedule.start_lr applies")
-    micro_batch_size: Optional[int] = _field(
+    micro_batch_size: int | None = _field(
         None, "samples per rank per forward pass (null: global_batch_size / world size, no accumulation)"
     )
     lr_schedule: LRSchedule = _field(LRSchedule(), "learning-rate schedule")
@@ -134,7 +138,7 @@ class Config:
         "batches in channels-last 3D memory format (NDHWC), which convolutions then keep through the network "
         "(the weights stay as they are: DeepSpeed broadcasts and flattens parameters as contiguous tensors)",
     )
-    cudnn_benchmark: Optional[bool] = _field(None, "let cuDNN time and pick convolution algorithms (null: on with a GPU)")
+    cudnn_benchmark: bool | None = _field(None, "let cuDNN time and pick convolution algorithms (null: on with a GPU)")
     compile: bool = _field(False, "compile the model with torch.compile through the engine (engine.compile())")
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = _field(
         "default",
@@ -145,12 +149,12 @@ class Config:
     # Logging and checkpoints
     log_every_steps: int = _field(20, "optimizer steps between log points")
     checkpoint_keep: int = _field(3, "checkpoints kept in the run directory (the newest ones)")
-    cpu_threads: Optional[int] = _field(None, "torch threads per rank on CPU (null: cores / ranks on this node)")
+    cpu_threads: int | None = _field(None, "torch threads per rank on CPU (null: cores / ranks on this node)")
     dist_timeout_s: float = _field(600.0, "how long a collective waits for a missing rank before failing")
     science_every_epochs: int = _field(
         0, "every this many epochs, predict the validation box (tiled) and log its science metrics (0: never)"
     )
-    science_box_size: Optional[int] = _field(
+    science_box_size: int | None = _field(
         None,
         "side of the fixed sub-volume (at the validation box's origin, taken as periodic) that those metrics "
         "cover; null: the whole box",
@@ -161,7 +165,9 @@ class Config:
         "a NaN or Inf loss on any rank: skip that batch on every rank, stop the run, or do not check (ignore) "
         "(checking costs one small reduction and one sync per step)",
     )
-    max_nonfinite_in_a_row: int = _field(10, "with nonfinite_loss skip: stop after this many non-finite losses in a row")
+    max_nonfinite_in_a_row: int = _field(
+        10, "with nonfinite_loss skip: stop after this many non-finite losses in a row"
+    )
     data_checks: Literal["startup", "every_batch", "none"] = _field(
         "startup",
         "NaN/Inf in the data: check the volumes at start-up (all of them up to 1 GiB, else sampled crops), "
@@ -169,9 +175,19 @@ class Config:
     )
 
     def validate(self) -> None:
-        positive = ["data_size", "Nsamples", "Nsamples_val", "num_epochs", "global_batch_size", "base_batch_size",
-                    "unet_width", "num_data_workers", "log_every_steps", "checkpoint_keep",
-                    "max_nonfinite_in_a_row"]  # fmt: skip
+        positive = [
+            "data_size",
+            "Nsamples",
+            "Nsamples_val",
+            "num_epochs",
+            "global_batch_size",
+            "base_batch_size",
+            "unet_width",
+            "num_data_workers",
+            "log_every_steps",
+            "checkpoint_keep",
+            "max_nonfinite_in_a_row",
+        ]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -190,9 +206,7 @@ class Config:
         if self.micro_batch_size is not None and self.micro_batch_size <= 0:
             raise ConfigError(f"micro_batch_size must be positive, got {self.micro_batch_size}")
         if self.data_size % 2**self.unet_depth:
-            raise ConfigError(
-                f"data_size {self.data_size} must be a multiple of 2^unet_depth = {2**self.unet_depth}"
-            )
+            raise ConfigError(f"data_size {self.data_size} must be a multiple of 2^unet_depth = {2**self.unet_depth}")
         if self.Nsamples < self.global_batch_size:
             raise ConfigError(f"Nsamples {self.Nsamples} is smaller than global_batch_size {self.global_batch_size}")
         if self.lr_schedule.start_lr <= 0 or self.lr_schedule.end_lr < 0:
@@ -308,13 +322,20 @@ def _plain(value: Any) -> Any:
 def _as_yaml(value: Any) -> str:
     """A default as it would be written in the YAML file: null, [[1, 2, 3]], {scaling: sqrt, ...}."""
     value = _plain(value)
-    return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip().removesuffix("\n...").strip()
+    return (
+        yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6)
+        .strip()
+        .removesuffix("\n...")
+        .strip()
+    )
 
 
 def named_configs(path: Path) -> list[tuple[str, str]]:
     """(name, description) of every named config in the YAML file ``path``; ConfigError if it cannot be read."""
     document = _named_document(path)
-    return [(name, str(body.get("description", "")) if isinstance(body, dict) else "") for name, body in document.items()]
+    return [
+        (name, str(body.get("description", "")) if isinstance(body, dict) else "") for name, body in document.items()
+    ]
 
 
 def _option_in(argv: Sequence[str], option: str) -> str | None:
@@ -351,8 +372,12 @@ def add_config_options(parser: argparse.ArgumentParser, yaml_path: Path, name: s
     """Every config key as an option ``--key VALUE`` (dotted for nested keys), plus --config/--yaml_config. Each
     option's help gives the key's default, and the named config's value where that differs."""
     parser.add_argument("--config", default="debug", help="name of the config in --yaml_config (default: debug)")
-    parser.add_argument("--yaml_config", type=existing_file, default=DEFAULT_YAML,
-                        help=f"file of named configs (default: {DEFAULT_YAML})")  # fmt: skip
+    parser.add_argument(
+        "--yaml_config",
+        type=existing_file,
+        default=DEFAULT_YAML,
+        help=f"file of named configs (default: {DEFAULT_YAML})",
+    )
     try:
         named = _flat(to_dict(build_config(load_named(yaml_path, name), {})))
     except ConfigError:
@@ -365,8 +390,13 @@ def add_config_options(parser: argparse.ArgumentParser, yaml_path: Path, name: s
         values = f"default: {_as_yaml(default)}"
         if key in named and named[key] != _plain(default):
             values += f"; {name}: {_as_yaml(named[key])}"
-        group.add_argument(f"--{key}", dest=f"set:{key}", metavar="VALUE", default=argparse.SUPPRESS,
-                           help=f"{help_text} ({values})".replace("%", "%%"))  # fmt: skip
+        group.add_argument(
+            f"--{key}",
+            dest=f"set:{key}",
+            metavar="VALUE",
+            default=argparse.SUPPRESS,
+            help=f"{help_text} ({values})".replace("%", "%%"),
+        )
 
 
 def config_parser(prog: str, description: str, argv: Sequence[str], usage: str | None = None) -> ArgumentParser:
@@ -385,7 +415,9 @@ def config_parser(prog: str, description: str, argv: Sequence[str], usage: str |
     return parser
 
 
-def parse_config_options(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
+def parse_config_options(
+    parser: argparse.ArgumentParser, argv: list[str] | None
+) -> tuple[argparse.Namespace, dict[str, str]]:
     """Parse; the config overrides apart (dotted key -> raw value)."""
     args = parser.parse_args(argv)
     overrides = {dest[4:]: value for dest, value in vars(args).items() if dest.startswith("set:")}
@@ -439,8 +471,15 @@ def parse_value(raw: str) -> Any:
 
 # Keys naming files: ${VAR} and ${VAR:-default} in them are taken from the environment, so that a site's
 # data directory (DATA_DIR in slurm/train.sbatch) needs no edit of the configs.
-PATH_KEYS = ("train_path", "val_path", "train_path_npy_data", "train_path_npy_label", "val_path_npy_data",
-             "val_path_npy_label", "deepspeed_config")  # fmt: skip
+PATH_KEYS = (
+    "train_path",
+    "val_path",
+    "train_path_npy_data",
+    "train_path_npy_label",
+    "val_path_npy_data",
+    "val_path_npy_label",
+    "deepspeed_config",
+)
 _VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 
 
@@ -450,7 +489,9 @@ def expand_path(key: str, value: str, environ: Mapping[str, str] = os.environ) -
         if name in environ:
             return environ[name]
         if default is None:
-            raise ConfigError(f"{key} refers to ${{{name}}}, which is not set (write ${{{name}:-default}} for a default)")
+            raise ConfigError(
+                f"{key} refers to ${{{name}}}, which is not set (write ${{{name}:-default}} for a default)"
+            )
         return default
 
     return _VARIABLE.sub(replace, value)
@@ -482,12 +523,32 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 # What a resumed run may change without changing what it learns: where data and logs go, how fast
 # the input pipeline runs, how often it logs and checks. Anything else changes the training.
 RESUMABLE = {
-    "description", "train_path", "val_path", "train_path_npy_data", "train_path_npy_label", "val_path_npy_data",
-    "val_path_npy_label", "storage", "device_storage_dtype", "backend", "num_data_workers", "data_prefetch",
-    "log_every_steps", "checkpoint_keep", "cpu_threads", "dist_timeout_s", "nonfinite_loss",
-    "max_nonfinite_in_a_row", "data_checks", "science_every_epochs", "science_box_size", "channels_last",
-    "cudnn_benchmark", "compile", "compile_mode",
-}  # fmt: skip
+    "description",
+    "train_path",
+    "val_path",
+    "train_path_npy_data",
+    "train_path_npy_label",
+    "val_path_npy_data",
+    "val_path_npy_label",
+    "storage",
+    "device_storage_dtype",
+    "backend",
+    "num_data_workers",
+    "data_prefetch",
+    "log_every_steps",
+    "checkpoint_keep",
+    "cpu_threads",
+    "dist_timeout_s",
+    "nonfinite_loss",
+    "max_nonfinite_in_a_row",
+    "data_checks",
+    "science_every_epochs",
+    "science_box_size",
+    "channels_last",
+    "cudnn_benchmark",
+    "compile",
+    "compile_mode",
+}
 
 
 def changes_on_resume(saved: dict[str, Any], cfg: Config) -> tuple[dict[str, tuple], dict[str, tuple]]:

@@ -120,9 +120,14 @@ class DistEnv:
         # torchrun names it LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
         local_world = int(environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE", values["WORLD_SIZE"])))
         return cls(
-            values["RANK"], values["LOCAL_RANK"], values["WORLD_SIZE"], local_world,
-            environ["MASTER_ADDR"], values["MASTER_PORT"], "launcher",
-        )  # fmt: skip
+            values["RANK"],
+            values["LOCAL_RANK"],
+            values["WORLD_SIZE"],
+            local_world,
+            environ["MASTER_ADDR"],
+            values["MASTER_PORT"],
+            "launcher",
+        )
 
     @classmethod
     def _from_slurm(cls, environ: Mapping[str, str]) -> DistEnv:

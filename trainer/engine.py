@@ -31,12 +31,41 @@ _QUIET_STEPS = 2**31 - 1
 # DeepSpeed's top-level sections that are not among its runtime constants (its config documentation), and the
 # sections this program reads as mappings. A key close to one of these but not one is a typo: DeepSpeed would
 # ignore it silently.
-_SECTIONS = {"zero_optimization", "timers", "flops_profiler", "activation_checkpointing", "tensorboard", "wandb",
-             "csv_monitor", "comms_logger", "compile", "data_efficiency", "curriculum_learning", "autotuning",
-             "elasticity", "aio", "nebula", "amp", "sparse_attention", "pipeline", "hybrid_engine", "eigenvalue",
-             "progressive_layer_drop", "compression_training", "weight_quantization", "quantize_training",
-             "sparse_gradients", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "checkpoint",
-             "data_types", "sequence_parallel_size", "tensor_parallel", "expert_parallel", "dynamic_batching"}  # fmt: skip
+_SECTIONS = {
+    "zero_optimization",
+    "timers",
+    "flops_profiler",
+    "activation_checkpointing",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comms_logger",
+    "compile",
+    "data_efficiency",
+    "curriculum_learning",
+    "autotuning",
+    "elasticity",
+    "aio",
+    "nebula",
+    "amp",
+    "sparse_attention",
+    "pipeline",
+    "hybrid_engine",
+    "eigenvalue",
+    "progressive_layer_drop",
+    "compression_training",
+    "weight_quantization",
+    "quantize_training",
+    "sparse_gradients",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "checkpoint",
+    "data_types",
+    "sequence_parallel_size",
+    "tensor_parallel",
+    "expert_parallel",
+    "dynamic_batching",
+}
 _MAPPINGS = ("fp16", "bf16", "optimizer", "zero_optimization", "timers")
 
 
@@ -181,11 +210,15 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
             )
         cfg[key] = value
     if "scheduler" in cfg:
-        raise ConfigError("DeepSpeed config has a 'scheduler' section; the schedule is lr_schedule in the experiment config")
+        raise ConfigError(
+            "DeepSpeed config has a 'scheduler' section; the schedule is lr_schedule in the experiment config"
+        )
     optimizer = cfg.setdefault("optimizer", {"type": "Adam"})
     params = optimizer.setdefault("params", {})
     if "lr" in params:
-        raise ConfigError("DeepSpeed config sets optimizer.params.lr; set lr_schedule.start_lr in the experiment config")
+        raise ConfigError(
+            "DeepSpeed config sets optimizer.params.lr; set lr_schedule.start_lr in the experiment config"
+        )
     params["lr"] = lr
     if optimizer.get("type", "").lower() == "adam":
         params.setdefault("adam_w_mode", False)
@@ -194,7 +227,9 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
             params["torch_adam"] = True
         elif device_type == "cuda" and "torch_adam" not in params and (problem := fused_adam_problem()):
             if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
-                log.warning("DeepSpeed's FusedAdam cannot be built here (%s): training with torch's fused Adam", problem)
+                log.warning(
+                    "DeepSpeed's FusedAdam cannot be built here (%s): training with torch's fused Adam", problem
+                )
             params.update(TORCH_FUSED_ADAM)
     cfg.setdefault("gradient_clipping", 0.0)
     cfg.setdefault("steps_per_print", _QUIET_STEPS)
@@ -203,7 +238,8 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
     cfg.setdefault("timers", {}).setdefault("throughput", {}).setdefault("enabled", False)
     if cfg.get("fp16", {}).get("enabled") and device_type != "cuda":
         log.warning(
-            "fp16 with loss scaling needs a CUDA GPU; training in fp32 on %s instead (ds_configs/ds_bf16.json gives bf16)",
+            "fp16 with loss scaling needs a CUDA GPU; training in fp32 on %s instead "
+            "(ds_configs/ds_bf16.json gives bf16)",
             device_type,
         )
         cfg["fp16"] = {"enabled": False}

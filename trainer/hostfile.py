@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         hosts = parse_hostfile(path)
     except HostfileError as err:
         parser.error(str(err))
-    print(f"{path}: {len(hosts)} host(s), {sum(s for _, s in hosts)} rank(s): " + ", ".join(f"{h}x{s}" for h, s in hosts))
+    print(
+        f"{path}: {len(hosts)} host(s), {sum(s for _, s in hosts)} rank(s): " + ", ".join(f"{h}x{s}" for h, s in hosts)
+    )
     return 0
 
 

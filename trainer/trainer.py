@@ -111,8 +111,9 @@ class Device:
     """The GPU this rank uses, None on CPU."""
 
 
-def gpu_index(local_rank: int, local_world_size: int, visible_gpus: int, environ: Mapping[str, str],
-              srun_tasks: bool) -> int:  # fmt: skip
+def gpu_index(
+    local_rank: int, local_world_size: int, visible_gpus: int, environ: Mapping[str, str], srun_tasks: bool
+) -> int:
     """The GPU of a rank: its local rank, or 0 where Slurm gives each task a GPU of its own: the ranks are srun's
     tasks (``srun_tasks``, not processes a launcher started inside one task) and srun ran with --gpus-per-task
     (SLURM_GPUS_PER_TASK set, CUDA_VISIBLE_DEVICES naming one GPU, a different one per task).
@@ -155,8 +156,13 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     dist.export()
     index = None
     if device_type == "cuda":
-        index = gpu_index(dist.local_rank, dist.local_world_size, torch.cuda.device_count(), os.environ,
-                          srun_tasks=dist.source == "slurm")  # fmt: skip
+        index = gpu_index(
+            dist.local_rank,
+            dist.local_world_size,
+            torch.cuda.device_count(),
+            os.environ,
+            srun_tasks=dist.source == "slurm",
+        )
         torch.cuda.set_device(index)
         os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed takes its device from LOCAL_RANK
     elif dist.is_main:
@@ -287,13 +293,19 @@ class Trainer:
             for volumes in (self.train_volumes, self.val_volumes):
                 volumes.check_finite(cfg.data_size, seed=cfg.seed)
         self.loader_settings = LoaderSettings(
-            self.backend, cfg.storage, cfg.device_storage_dtype, cfg.num_data_workers, cfg.data_prefetch,
-            cfg.channels_last, cfg.gpu_direct_storage,
-        )  # fmt: skip
+            self.backend,
+            cfg.storage,
+            cfg.device_storage_dtype,
+            cfg.num_data_workers,
+            cfg.data_prefetch,
+            cfg.channels_last,
+            cfg.gpu_direct_storage,
+        )
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size)
         channels = cfg.N_in_channels + cfg.N_out_channels
-        buffers = batch_buffer_bytes(self.storage, self.loader_settings, plan.micro_batch, cfg.data_size, channels,
-                                     cfg.data_format)  # fmt: skip
+        buffers = batch_buffer_bytes(
+            self.storage, self.loader_settings, plan.micro_batch, cfg.data_size, channels, cfg.data_format
+        )
         volumes = [self.train_volumes, self.val_volumes]
         check_memory(self.storage, volumes, self.loader_settings, dist.local_world_size, buffers)
 
@@ -361,7 +373,10 @@ class Trainer:
             self.nonfinite_losses = int(state.get("nonfinite_losses", 0))
             self.resumed_at = (self.epoch, self.batch_in_epoch)
             log.info(
-                "resumed at step %d: epoch %d, %d batch(es) into it", self.engine.global_steps, self.epoch + 1, self.batch_in_epoch
+                "resumed at step %d: epoch %d, %d batch(es) into it",
+                self.engine.global_steps,
+                self.epoch + 1,
+                self.batch_in_epoch,
             )
 
         # One small collective per micro-step, when asked for: non-finite loss, bad batch, stop request.
@@ -402,9 +417,13 @@ class Trainer:
             first_index=first,
         )
         device = torch.device(self.device.type, self.device.index)
-        common = dict(augmenter=augmenter, settings=self.loader_settings, storage=self.storage, device=device, dtype=self.dtype)
+        common = dict(
+            augmenter=augmenter, settings=self.loader_settings, storage=self.storage, device=device, dtype=self.dtype
+        )
         return (
-            build_loader(self.train_volumes, train_plan, first_epoch=self.epoch, first_batch=self.batch_in_epoch, **common),
+            build_loader(
+                self.train_volumes, train_plan, first_epoch=self.epoch, first_batch=self.batch_in_epoch, **common
+            ),
             build_loader(self.val_volumes, val_plan, **common),
         )
 
@@ -460,8 +479,15 @@ class Trainer:
             side = cfg.science_box_size or volumes.nbody.shape[1]
             region = np.s_[:, :side, :side, :side]
             micro = self.engine.train_micro_batch_size_per_gpu()
-            pred = predict_box(self.engine.module, np.asarray(volumes.nbody[region]), cfg.N_out_channels, cfg.data_size,
-                               cfg.data_size // 4, micro, self.engine.device)  # fmt: skip
+            pred = predict_box(
+                self.engine.module,
+                np.asarray(volumes.nbody[region]),
+                cfg.N_out_channels,
+                cfg.data_size,
+                cfg.data_size // 4,
+                micro,
+                self.engine.device,
+            )
             attrs = h5py.File(volumes.files.targets, "r").attrs if volumes.files.format == "hdf5" else {}
             truth = np.asarray(volumes.hydro[region], dtype=np.float32)
             metrics = compare(pred, truth, Normalization.from_attrs(attrs))
@@ -469,7 +495,9 @@ class Trainer:
             scalars |= {f"science/l1_{name}": value for name, value in metrics["l1"].items()}
             scalars |= {f"science/{name}": value for name, value in metrics["summary"].items()}
             self.runlog.write(self.engine.global_steps, epoch=self.epoch + 1, **scalars)
-            log.info("science metrics: %s", ", ".join(f"{k.removeprefix('science/')} {v:.4f}" for k, v in scalars.items()))
+            log.info(
+                "science metrics: %s", ", ".join(f"{k.removeprefix('science/')} {v:.4f}" for k, v in scalars.items())
+            )
         self.engine.train()
 
     def _gather_losses(self, interval: Interval) -> tuple[float, list[float], bool]:
@@ -479,8 +507,9 @@ class Trainer:
         """
         local = torch.tensor(
             [0.0, float(interval.micro_steps), float(self.stop is not None and self.stop.requested)],
-            dtype=torch.float64, device=self.engine.device,
-        )  # fmt: skip
+            dtype=torch.float64,
+            device=self.engine.device,
+        )
         if interval.loss_sum is not None:
             local[0] = interval.loss_sum.double()
         per_rank = [torch.empty_like(local) for _ in range(self.dist.world_size)]
@@ -496,7 +525,10 @@ class Trainer:
             weights.update(p.detach().float().cpu().numpy().tobytes())
         gathered: list[Any] = [None] * self.dist.world_size
         torch_dist.all_gather_object(gathered, (weights.hexdigest(), self.first_batch_digest))
-        digests = {"rank_weight_digests": [g[0] for g in gathered], "rank_first_batch_digests": [g[1] for g in gathered]}
+        digests = {
+            "rank_weight_digests": [g[0] for g in gathered],
+            "rank_first_batch_digests": [g[1] for g in gathered],
+        }
         if len(set(digests["rank_weight_digests"])) > 1:
             log.error("the ranks' weights differ at the end of training: %s", digests["rank_weight_digests"])
         return digests
@@ -507,10 +539,15 @@ class Trainer:
         last_epoch = cfg.num_epochs if self.stop_after_epoch is None else min(cfg.num_epochs, self.stop_after_epoch)
         log.info(
             "training %s: %d parameters, %s on %s, %d rank(s), micro-batch %d x accumulation %d = global batch %d",
-            self.name, self.num_parameters, precision_name(self.dtype), _device_name(self.device),
-            self.dist.world_size, engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+            self.name,
+            self.num_parameters,
+            precision_name(self.dtype),
+            _device_name(self.device),
+            self.dist.world_size,
+            engine.train_micro_batch_size_per_gpu(),
+            engine.gradient_accumulation_steps(),
             cfg.global_batch_size,
-        )  # fmt: skip
+        )
         if self.initial_val_loss is None:
             self.initial_val_loss = evaluate(engine, self.val_loader, cfg.lambda_rho)
             self.runlog.write(0, epoch=0, **{"loss/valid": self.initial_val_loss})
@@ -536,8 +573,9 @@ class Trainer:
         if stopped:
             log.warning(
                 "stopped on request (%s) at step %d after a checkpoint: continue with --resume",
-                self.stop.signal_name or "another rank's signal", engine.global_steps,
-            )  # fmt: skip
+                self.stop.signal_name or "another rank's signal",
+                engine.global_steps,
+            )
 
         # The first interval holds start-up work (kernel selection, first batches): not a rate.
         measured = intervals[1:] or intervals
@@ -548,7 +586,9 @@ class Trainer:
             "epochs": self.epoch,
             "finished": self.epoch == cfg.num_epochs,
             "preempted": stopped,
-            "resumed_from": None if self.resumed_at is None else {"epoch": self.resumed_at[0], "batch_in_epoch": self.resumed_at[1]},
+            "resumed_from": None
+            if self.resumed_at is None
+            else {"epoch": self.resumed_at[0], "batch_in_epoch": self.resumed_at[1]},
             "steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps,
             "nonfinite_losses": self.nonfinite_losses,
@@ -580,8 +620,13 @@ class Trainer:
         """Train the rest of epoch ``self.epoch``; True when stopped on request (after a checkpoint)."""
         cfg, engine = self.cfg, self.engine
         done_steps = self.batch_in_epoch // engine.gradient_accumulation_steps()
-        bar = tqdm(total=self.steps_per_epoch, initial=done_steps, desc=f"epoch {self.epoch + 1}/{cfg.num_epochs}",
-                   disable=not show_bar, leave=False)  # fmt: skip
+        bar = tqdm(
+            total=self.steps_per_epoch,
+            initial=done_steps,
+            desc=f"epoch {self.epoch + 1}/{cfg.num_epochs}",
+            disable=not show_bar,
+            leave=False,
+        )
         interval = Interval(time.perf_counter())
         stop = False
         batches = iter(self.train_loader)
@@ -601,8 +646,8 @@ class Trainer:
                 stop = stop or stop_now
                 if bad_batch:
                     raise DataError(
-                        f"a training batch holds NaN or Inf values (epoch {self.epoch + 1}, batch {self.batch_in_epoch}); "
-                        "data_checks: every_batch"
+                        f"a training batch holds NaN or Inf values (epoch {self.epoch + 1}, "
+                        f"batch {self.batch_in_epoch}); data_checks: every_batch"
                     )
                 if nonfinite:
                     self._on_nonfinite_loss(self.epoch)
@@ -651,17 +696,31 @@ class Trainer:
             ),
         }
         self.runlog.write(
-            engine.global_steps, epoch=self.epoch + 1, samples=engine.global_steps * self.cfg.global_batch_size,
-            **{"loss/train_per_rank": per_rank}, **{k: v for k, v in values.items() if v is not None},
-        )  # fmt: skip
+            engine.global_steps,
+            epoch=self.epoch + 1,
+            samples=engine.global_steps * self.cfg.global_batch_size,
+            **{"loss/train_per_rank": per_rank},
+            **{k: v for k, v in values.items() if v is not None},
+        )
         bar.set_postfix(loss=f"{loss:.4f}", rate=f"{rate:.0f}/s")
         log.info(
             "epoch %d step %d: loss %.5f, lr %.3g, %.1f samples/s, %.0f%% waiting for data",
-            self.epoch + 1, engine.global_steps, loss, lr, rate, values["data_wait_pct"],
-        )  # fmt: skip
+            self.epoch + 1,
+            engine.global_steps,
+            loss,
+            lr,
+            rate,
+            values["data_wait_pct"],
+        )
         return {**values, "stop": stop}
 
 
 def write_resolved_config(run_dir: Path, name: str, cfg: Config, ds_config: dict[str, Any], dist: DistEnv) -> None:
-    record = {"name": name, "commit": git_commit(), "world_size": dist.world_size, "config": to_dict(cfg), "deepspeed": ds_config}
+    record = {
+        "name": name,
+        "commit": git_commit(),
+        "world_size": dist.world_size,
+        "config": to_dict(cfg),
+        "deepspeed": ds_config,
+    }
     (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
