@@ -28,8 +28,9 @@ from bench.train import RESULTS, parse_args
 from pipeline.cli import ArgumentParser, output_file
 from pipeline.loaders import dali_installed, resolve_backend
 from pipeline.synthetic import ensure_boxes
-from trainer.config import Config, ConfigError, parse_value
+from trainer.config import Config, parse_value
 from trainer.engine import TORCH_FUSED_ADAM, load_ds_template, merge_settings, plan_batches, resolve_ds_config
+from trainer.errors import ConfigError
 
 PRECISION_JSON = {
     "fp32": "ds_configs/ds_fp32.json",

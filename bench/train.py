@@ -18,6 +18,7 @@ CPU; samples/s is global samples over wall time. Rank 0 appends one record per m
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import resource
 import statistics
@@ -39,7 +40,10 @@ from pipeline.cli import output_file
 from trainer.config import Config, build_config, config_parser, load_named, parse_config_options
 from trainer.dist import DistEnv
 from trainer.engine import precision_name
-from trainer.trainer import USER_ERRORS, Trainer, forward_loss, init_distributed, prepare_data
+from trainer.errors import USER_ERRORS
+from trainer.rundir import RunDir
+from trainer.step import micro_step
+from trainer.trainer import Trainer, init_distributed, prepare_data
 
 RESULTS = REPO / "bench" / "results" / "train.jsonl"
 MODES = ("io", "synthetic", "full", "plain")
@@ -160,17 +164,11 @@ class Case:
                 wait += waited
             if marks.steps:
                 marks.mark("start")
-            loss = forward_loss(engine, inp, tar, self.trainer.cfg.lambda_rho)
-            if self.trainer.check_each_step:  # the trainer's agreement on each step: one reduction, one host sync
-                self.trainer.agree_on_step(loss, inp, tar)
-            if marks.steps:
-                marks.mark("forward")
-            engine.backward(loss)
-            if marks.steps:
-                marks.mark("backward")
-            engine.step()
-            if marks.steps:
-                marks.mark("optimizer")
+            # The training loop's step, with the trainer's agreement on each step where it makes one (one reduction,
+            # one host sync); marks at the end of each phase while timing.
+            check = self.trainer.check_each_step
+            proceed = functools.partial(self.trainer.check_step, inp=inp, tar=tar) if check else None
+            micro_step(engine, inp, tar, self.trainer.cfg.lambda_rho, proceed, marks.mark if marks.steps else None)
         return wait
 
     def plain(self) -> Callable[[Marks], float]:
@@ -310,7 +308,7 @@ def measure(argv: list[str] | None) -> None:
     device = init_distributed(dist, cfg.dist_timeout_s)
     prepare_data(cfg, dist)
     with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
-        trainer = Trainer(cfg, args.config, dist, device, Path(scratch), resume=False)
+        trainer = Trainer(cfg, args.config, dist, device, RunDir(Path(scratch), dist, set_aside=False), resume=False)
         case = Case(trainer, cuda=device.type == "cuda")
         flops = model_flops(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth, cfg.data_size)
         env = environment()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from model.checkpoints import CHECKPOINT_DIR, LATEST, MODEL_STATES, RUN_CONFIG, checkpoint_tags, latest_tag
 from model.unet import UNet
 from pipeline.cli import ArgumentParser, existing_dir, output_file
 from pipeline.files import written_atomically
@@ -84,10 +85,10 @@ def _build(spec: EmulatorSpec, state: dict[str, torch.Tensor], source: str) -> E
 
 def latest_run(runs: Path = Path("runs")) -> Path:
     """The most recently modified run directory that holds a checkpoint."""
-    candidates = [p for p in runs.glob("*") if (p / "checkpoints" / "latest").is_file()]
+    candidates = [p for p in runs.glob("*") if (p / CHECKPOINT_DIR / LATEST).is_file()]
     if not candidates:
         raise EmulatorError(f"no run with a checkpoint under {runs}/: train first, or pass --run_dir or --weights")
-    return max(candidates, key=lambda p: (p / "checkpoints" / "latest").stat().st_mtime)
+    return max(candidates, key=lambda p: (p / CHECKPOINT_DIR / LATEST).stat().st_mtime)
 
 
 def from_run_dir(run_dir: Path, tag: str | None = None) -> Emulator:
@@ -96,22 +97,22 @@ def from_run_dir(run_dir: Path, tag: str | None = None) -> Emulator:
     Under fp16 DeepSpeed keeps the module's weights in fp16 (the fp32 master copy is optimizer
     state): they are read as saved and widened to fp32.
     """
-    if not (run_dir / "config.json").is_file():
-        raise EmulatorError(f"{run_dir}: not a run directory (no config.json)")
+    if not (run_dir / RUN_CONFIG).is_file():
+        raise EmulatorError(f"{run_dir}: not a run directory (no {RUN_CONFIG})")
     try:
-        spec = EmulatorSpec.from_config(json.loads((run_dir / "config.json").read_text())["config"])
+        spec = EmulatorSpec.from_config(json.loads((run_dir / RUN_CONFIG).read_text())["config"])
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         why = f"{type(err).__name__}: {err}"
-        raise EmulatorError(f"{run_dir / 'config.json'}: not a run's resolved config ({why})") from None
-    checkpoints = run_dir / "checkpoints"
+        raise EmulatorError(f"{run_dir / RUN_CONFIG}: not a run's resolved config ({why})") from None
+    checkpoints = run_dir / CHECKPOINT_DIR
     if tag is None:
-        if not (checkpoints / "latest").is_file():
+        tag = latest_tag(run_dir)
+        if tag is None:
             raise EmulatorError(f"{run_dir}: no checkpoint yet")
-        tag = (checkpoints / "latest").read_text().strip()
     elif not (checkpoints / tag).is_dir():
-        found = sorted(p.name for p in checkpoints.glob("step*")) if checkpoints.is_dir() else []
+        found = checkpoint_tags(run_dir)
         raise EmulatorError(f"{run_dir}: no checkpoint {tag!r} (found: {', '.join(found) or 'none'})")
-    saved = _load(checkpoints / tag / "mp_rank_00_model_states.pt")
+    saved = _load(checkpoints / tag / MODEL_STATES)
     if not isinstance(saved, dict) or "module" not in saved:
         raise EmulatorError(f"{checkpoints / tag}: not a DeepSpeed model checkpoint (no 'module' weights)")
     return _build(spec, saved["module"], f"{run_dir} checkpoint {tag}")

@@ -26,3 +26,22 @@ def written_atomically(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` at once, the content on disk (fsync) before the rename: a crash leaves the
+    old file or the new one, never an empty one."""
+    with written_atomically(path) as tmp:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames inside directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

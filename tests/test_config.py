@@ -4,7 +4,8 @@ import pytest
 
 from ds_train import parse_args
 from tests.conftest import REPO
-from trainer.config import Config, ConfigError, build_config, changes_on_resume, leaf_keys, load_named, to_dict
+from trainer.config import Config, build_config, changes_on_resume, leaf_keys, load_named, to_dict
+from trainer.errors import ConfigError
 
 YAML = REPO / "ds_configs" / "UNet.yaml"
 

@@ -7,7 +7,6 @@ import pytest
 
 from tests.conftest import REPO
 from trainer import engine
-from trainer.config import ConfigError
 from trainer.engine import (
     TORCH_FUSED_ADAM,
     BatchPlan,
@@ -16,6 +15,7 @@ from trainer.engine import (
     plan_batches,
     resolve_ds_config,
 )
+from trainer.errors import ConfigError
 
 
 @pytest.mark.parametrize(

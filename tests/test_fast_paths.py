@@ -167,7 +167,8 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
 
     from trainer.dist import DistEnv
     from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
-    from trainer.trainer import init_distributed, train_step
+    from trainer.step import micro_step
+    from trainer.trainer import init_distributed
 
     init_distributed(DistEnv.from_environ({}), 60.0)
     config = resolve_ds_config(load_ds_template(REPO / "ds_configs" / "ds_fp32.json"), BatchPlan(4, 1, 1), 1e-3, "cuda")
@@ -177,7 +178,7 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
     x = torch.randn(4, 4, 32, 32, 32, device=engine.device).contiguous(memory_format=CHANNELS_LAST)
     y = torch.rand(4, 5, 32, 32, 32, device=engine.device) - 0.5
     for _ in range(2):  # warm-up: first calls set things up
-        train_step(engine, x, y, 0.0)
+        micro_step(engine, x, y, 0.0)
     torch.cuda.synchronize()
 
     def no_sync(*args, **kwargs):
@@ -186,7 +187,7 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = train_step(engine, x, y, 0.0)
+        loss = micro_step(engine, x, y, 0.0)
     finally:
         torch.cuda.set_sync_debug_mode("default")
         monkeypatch.undo()
@@ -199,7 +200,8 @@ from model import UNet
 from tests.conftest import REPO
 from trainer.dist import DistEnv
 from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
-from trainer.trainer import init_distributed, train_step
+from trainer.step import micro_step
+from trainer.trainer import init_distributed
 
 device = init_distributed(DistEnv.from_environ(), 60.0)
 template = load_ds_template(REPO / "ds_configs" / "ds_fp32.json")
@@ -216,7 +218,7 @@ gen = torch.Generator().manual_seed(1)
 for _ in range(4):  # two optimizer steps of two micro-batches
     x, y = torch.randn(2, 4, 8, 8, 8, generator=gen), torch.rand(2, 5, 8, 8, 8, generator=gen) - 0.5
     for engine in engines:
-        train_step(engine, x.to(engine.device), y.to(engine.device), 0.1)
+        micro_step(engine, x.to(engine.device), y.to(engine.device), 0.1)
 assert engines[1].global_steps == 2 and not engines[1].enable_backward_allreduce
 reduced, skipped = ([p.detach().cpu() for p in engine.module.parameters()] for engine in engines)
 assert not all(torch.equal(p, q) for p, q in zip(reduced, initial)), "the weights did not move"
@@ -243,7 +245,8 @@ from model import UNet
 from tests.conftest import REPO
 from trainer.dist import DistEnv
 from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
-from trainer.trainer import init_distributed, train_step
+from trainer.step import micro_step
+from trainer.trainer import init_distributed
 
 device = init_distributed(DistEnv.from_environ(), 60.0)
 template = load_ds_template(REPO / "ds_configs" / "ds_fp32.json")
@@ -255,7 +258,7 @@ accelerator, syncs = get_accelerator(), []
 accelerator.synchronize = lambda *args, **kwargs: syncs.append(1)
 x, y = torch.randn(2, 4, 8, 8, 8), torch.rand(2, 5, 8, 8, 8) - 0.5
 for _ in range(5):
-    train_step(engine, x.to(engine.device), y.to(engine.device), 0.1)
+    micro_step(engine, x.to(engine.device), y.to(engine.device), 0.1)
 print("device syncs in 5 steps:", len(syncs))
 """
 

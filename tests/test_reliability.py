@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, TINY_ARGS, run_train, single_process_env
-from trainer.hostfile import HostfileError, parse_hostfile
+from trainer.errors import HostfileError
+from trainer.hostfile import parse_hostfile
 
 TRAIN_ENV = single_process_env()
 
@@ -343,7 +344,8 @@ def test_every_batch_data_check_catches_data_that_changes_under_a_run(data, tmp_
 
 
 def test_yaml_booleans_get_a_hint():
-    from trainer.config import ConfigError, build_config
+    from trainer.config import build_config
+    from trainer.errors import ConfigError
 
     with pytest.raises(
         ConfigError, match="data_checks must be one of .* got False \\(YAML reads yes/no/on/off as booleans"

@@ -184,3 +184,13 @@ def test_bf16_on_cpu(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["precision"] == "bf16"
     assert summary["final_val_loss"] < summary["initial_val_loss"]
+
+
+def test_profile_records_a_trace_of_the_step_phases(tmp_path):
+    _ok(run_train(_args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--profile")))
+    traces = list((tmp_path / "run" / "profile").glob("rank0*.pt.trace.json*"))
+    assert len(traces) == 1, sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {"data_wait", "forward", "backward", "optimizer_step"} <= names
+    assert sum(e.get("name") == "forward" for e in events) == 3  # the three recorded micro-steps

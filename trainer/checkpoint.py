@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,44 +19,9 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
-from trainer.errors import NumericalError
-
-CHECKPOINT_DIR = "checkpoints"
-LATEST = "latest"
-_PREFIX = "step"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be written or loaded; the message says which and why."""
-
-
-def tag_for(step: int) -> str:
-    return f"{_PREFIX}{step:08d}"
-
-
-def latest_tag(ckpt_dir: Path) -> str | None:
-    try:
-        tag = (ckpt_dir / LATEST).read_text().strip()
-    except FileNotFoundError:
-        return None
-    return tag or None
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from model.checkpoints import CHECKPOINT_DIR, LATEST, TAG_PREFIX, checkpoint_tags, latest_tag, tag_for
+from pipeline.files import fsync_dir, write_text_atomically
+from trainer.errors import CheckpointError, NumericalError
 
 
 def weights_are_finite(engine: Any) -> bool:
@@ -87,8 +51,8 @@ def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], ke
         if (ckpt_dir / tag).exists():  # the same step saved before (a resumed run stopped again at once)
             shutil.rmtree(ckpt_dir / tag)
         os.replace(ckpt_dir / partial, ckpt_dir / tag)
-        _fsync_dir(ckpt_dir)
-        _write_atomically(ckpt_dir / LATEST, tag)
+        fsync_dir(ckpt_dir)
+        write_text_atomically(ckpt_dir / LATEST, tag)
         _prune(ckpt_dir, keep)
     torch_dist.barrier()
     return tag
@@ -96,17 +60,16 @@ def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], ke
 
 def _prune(ckpt_dir: Path, keep: int) -> None:
     """Keep the newest ``keep`` complete checkpoints; remove the rest and any partial leftovers."""
-    complete = sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(_PREFIX))
-    for old in complete[:-keep]:
-        shutil.rmtree(old)
-    for leftover in ckpt_dir.glob(f".{_PREFIX}*.partial"):
+    for old in checkpoint_tags(ckpt_dir.parent)[:-keep]:
+        shutil.rmtree(ckpt_dir / old)
+    for leftover in ckpt_dir.glob(f".{TAG_PREFIX}*.partial"):
         shutil.rmtree(leftover, ignore_errors=True)
 
 
 def load_checkpoint(engine: Any, run_dir: Path) -> dict[str, Any]:
     """Load the latest checkpoint of ``run_dir`` into the engine; its client state."""
     ckpt_dir = run_dir / CHECKPOINT_DIR
-    tag = latest_tag(ckpt_dir)
+    tag = latest_tag(run_dir)
     if tag is None:
         raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}")
     if not (ckpt_dir / tag).is_dir():

@@ -13,6 +13,7 @@ import argparse
 import copy
 import dataclasses
 import difflib
+import logging
 import os
 import re
 import types
@@ -27,12 +28,10 @@ import yaml
 from pipeline.cli import ArgumentParser, existing_file, parent_problem
 from pipeline.rotations import check_vector_groups
 from pipeline.synthetic import SyntheticSpec
+from trainer.errors import ConfigError
 
 DEFAULT_YAML = Path("ds_configs/UNet.yaml")
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the key."""
+log = logging.getLogger(__name__)
 
 
 def _field(default: Any, help: str) -> Any:
@@ -558,3 +557,21 @@ def changes_on_resume(saved: dict[str, Any], cfg: Config) -> tuple[dict[str, tup
     changed = {k: (saved.get(k, defaults[k]), v) for k, v in now.items() if saved.get(k, defaults[k]) != v}
     harmless = {k: d for k, d in changed.items() if k in RESUMABLE}
     return harmless, {k: d for k, d in changed.items() if k not in RESUMABLE}
+
+
+def resumed_config(saved: dict[str, Any], overrides: dict[str, str], allow_change: bool) -> tuple[str, Config]:
+    """The name and config of a run to resume, from what it recorded (``saved``) with ``overrides`` on top: settings
+    that change the training are refused unless ``allow_change``; every change is logged."""
+    cfg = build_config(saved["config"], overrides)
+    harmless, changing = changes_on_resume(saved["config"], cfg)
+
+    def listing(diff: dict[str, tuple]) -> str:
+        return ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
+
+    if changing and not allow_change:
+        raise ConfigError(
+            f"resuming with settings that change the training: {listing(changing)} (--allow_config_change accepts them)"
+        )
+    if harmless or changing:
+        log.warning("resuming with changed settings: %s", listing({**harmless, **changing}))
+    return saved["name"], cfg

@@ -22,14 +22,12 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from trainer.errors import DistError
+
 log = logging.getLogger(__name__)
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _SLURM_VARS = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE")
-
-
-class DistError(ValueError):
-    """Contradictory or incomplete distributed settings; the message names the variables."""
 
 
 def _free_port() -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

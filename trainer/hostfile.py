@@ -12,12 +12,9 @@ import sys
 from pathlib import Path
 
 from pipeline.cli import ArgumentParser, existing_file
+from trainer.errors import HostfileError
 
 _LINE = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9._-]*)\s+slots=(?P<slots>\d+)$")
-
-
-class HostfileError(ValueError):
-    """A hostfile the launcher would misread; the message names the file and line."""
 
 
 def parse_hostfile(path: str | Path) -> list[tuple[str, int]]:

@@ -1,13 +1,14 @@
 """The training loop: a DeepSpeed engine fed by DALI, validated every epoch, checkpointed, resumable.
 
-``train_step``, ``forward_loss``, ``backward_step`` and ``evaluate`` are plain functions so that
-tests and the benchmarks call them instead of copying them.
+The micro-step itself is ``trainer.step.micro_step``, which the benchmarks and tests run too; ``evaluate`` is a
+plain function for the same reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import logging
@@ -17,7 +18,6 @@ import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import deepspeed
@@ -45,9 +45,9 @@ from pipeline.loaders import (
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import ensure_boxes
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
-from trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from trainer.config import Config, ConfigError, to_dict
-from trainer.dist import DistEnv, DistError
+from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.config import Config
+from trainer.dist import DistEnv
 from trainer.engine import (
     TORCH_FUSED_ADAM,
     jit_built,
@@ -59,35 +59,15 @@ from trainer.engine import (
     skip_single_rank_reduction,
     train_dtype,
 )
-from trainer.errors import NumericalError
+from trainer.errors import ConfigError, DistError, NumericalError
 from trainer.lr_schedule import ScaledCosineSchedule, peak_lr, warmup_applies
 from trainer.preemption import StopRequest
-from trainer.provenance import git_commit
+from trainer.rundir import PROFILE, RunDir
 from trainer.runlog import RunLog
+from trainer.step import micro_step, phase
 
 log = logging.getLogger(__name__)
-# Bad input (config, data, environment, checkpoint): one error line and exit status 2 in every command.
-USER_ERRORS = (ConfigError, DataError, DistError, CheckpointError)
-
-
-def forward_loss(engine: Any, inp: torch.Tensor, tar: torch.Tensor, lambda_rho: float) -> torch.Tensor:
-    return unet_loss(engine(inp), tar, lambda_rho)
-
-
-def backward_step(engine: Any, loss: torch.Tensor) -> None:
-    """Backward, and at an accumulation boundary the optimizer step (DeepSpeed counts the micro-steps)."""
-    engine.backward(loss)
-    engine.step()
-
-
-def train_step(engine: Any, inp: torch.Tensor, tar: torch.Tensor, lambda_rho: float) -> torch.Tensor:
-    """One micro-step: forward, backward, and (at an accumulation boundary) the optimizer step.
-
-    Returns the loss still on the device: reading it here would synchronize every step.
-    """
-    loss = forward_loss(engine, inp, tar, lambda_rho)
-    backward_step(engine, loss)
-    return loss.detach()
+PROFILE_STEPS = 3  # micro-steps a --profile trace records, after one skipped and one of warm-up
 
 
 @torch.no_grad()
@@ -169,6 +149,15 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
         announce_cpu_comm_build()
     deepspeed.init_distributed(
         dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    started = {"launcher": "a launcher's variables", "slurm": "srun's variables", "single": "no launcher"}[dist.source]
+    log.info(
+        "rank %d of %d (local rank %d of %d on this node), from %s",
+        dist.rank,
+        dist.world_size,
+        dist.local_rank,
+        dist.local_world_size,
+        started,
     )
     return Device(device_type, index)
 
@@ -253,12 +242,15 @@ class Trainer:
         name: str,
         dist: DistEnv,
         device: Device,
-        run_dir: Path,
+        run: RunDir,
         resume: bool,
         stop_after_epoch: int | None = None,
         stop: StopRequest | None = None,
+        profile: bool = False,
     ) -> None:
-        self.cfg, self.name, self.dist, self.device, self.run_dir = cfg, name, dist, device, run_dir
+        self.cfg, self.name, self.dist, self.device, self.run = cfg, name, dist, device, run
+        self.run_dir = run_dir = run.path
+        self.profile = profile
         self.stop_after_epoch = stop_after_epoch
         self.stop = stop
         self.storage = effective_storage(cfg.storage, device.type)
@@ -384,6 +376,8 @@ class Trainer:
         self.train_loader, self.val_loader = self._build_loaders()
         self.runlog = RunLog(run_dir, enabled=dist.is_main)
         self.first_batch_digest: str | None = None
+        self.stopping = False  # set on every rank alike by agree()
+        self.profiler: torch.profiler.profile | None = None
 
     def _build_loaders(self) -> tuple[Any, Any]:
         cfg, dist = self.cfg, self.dist
@@ -427,23 +421,67 @@ class Trainer:
             build_loader(self.val_volumes, val_plan, **common),
         )
 
-    def _stop_requested_anywhere(self) -> bool:
-        """True on every rank when any rank was asked to stop (one small reduction)."""
-        flag = torch.tensor([float(self.stop is not None and self.stop.requested)], device=self.engine.device)
-        torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def wait_for_every_rank(self) -> None:
+        """Return once every rank has built its trainer (passed its checks); one that failed says why itself."""
+        try:
+            torch_dist.barrier()
+        except RuntimeError:  # a rank that stopped on bad input closed its connections
+            raise DistError("another rank stopped before training started (its output says why)") from None
 
-    def agree_on_step(self, loss: torch.Tensor, inp: torch.Tensor, tar: torch.Tensor) -> tuple[bool, bool, bool]:
-        """(non-finite loss, non-finite batch, stop requested) on any rank: one reduction and one sync."""
-        zero = torch.zeros((), device=loss.device)
-        bad_batch = zero
+    def close(self) -> None:
+        """Stop the loaders' work ahead (threads, DALI pipelines) and a profiler left running by an error."""
+        self._stop_profiler()
+        for loader in (self.train_loader, self.val_loader):
+            loader.close()
+
+    def _start_profiler(self) -> None:
+        """A torch.profiler trace of micro-steps 3 to 5 (the first two skipped as warm-up) into the run
+        directory's ``profile/``, one file per rank: TensorBoard's profiler plugin or Perfetto reads it."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        handler = torch.profiler.tensorboard_trace_handler(
+            str(self.run_dir / PROFILE), worker_name=f"rank{self.dist.rank}"
+        )
+        schedule = torch.profiler.schedule(wait=1, warmup=1, active=PROFILE_STEPS, repeat=1)
+        self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=handler)
+        self.profiler.start()
+        log.info("profiling micro-steps 3 to %d into %s", 2 + PROFILE_STEPS, self.run_dir / PROFILE)
+
+    def _stop_profiler(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+
+    def agree(self, *flags: torch.Tensor) -> list[bool]:
+        """``flags`` (0-d tensors, nonzero for true) ORed over the ranks, in one small reduction (one sync); this
+        rank's stop request (SIGTERM, SIGUSR1) travels with them, and ``stopping`` becomes true on every rank when
+        any rank was asked to stop. The only place where ranks agree on what to do next."""
+        requested = float(self.stop is not None and self.stop.requested)
+        local = torch.stack([*(f.float() for f in flags), torch.tensor(requested, device=self.engine.device)])
+        torch_dist.all_reduce(local, op=torch_dist.ReduceOp.MAX)
+        *agreed, stop = (bool(v) for v in local.tolist())
+        self.stopping = self.stopping or stop
+        return agreed
+
+    def check_step(self, loss: torch.Tensor, inp: torch.Tensor, tar: torch.Tensor) -> bool:
+        """Whether every rank goes on with this micro-step (``micro_step``'s ``proceed``): a non-finite batch
+        anywhere stops the run (data_checks: every_batch); a non-finite loss anywhere skips the micro-step on every
+        rank, or stops the run (``nonfinite_loss``)."""
+        bad_batch = torch.zeros((), device=loss.device)
         if self.cfg.data_checks == "every_batch":
-            bad_batch = (~(torch.isfinite(inp).all() & torch.isfinite(tar).all())).float()
-        stop = zero + float(self.stop is not None and self.stop.requested)
-        flags = torch.stack([(~torch.isfinite(loss.detach())).float(), bad_batch, stop])
-        torch_dist.all_reduce(flags, op=torch_dist.ReduceOp.MAX)
-        nonfinite, bad, stop_any = (bool(v) for v in flags.tolist())
-        return nonfinite and self.cfg.nonfinite_loss != "ignore", bad, stop_any
+            bad_batch = ~(torch.isfinite(inp).all() & torch.isfinite(tar).all())
+        nonfinite, bad = self.agree(~torch.isfinite(loss.detach()), bad_batch)
+        if bad:
+            raise DataError(
+                f"a training batch holds NaN or Inf values (epoch {self.epoch + 1}, "
+                f"batch {self.batch_in_epoch}); data_checks: every_batch"
+            )
+        if nonfinite and self.cfg.nonfinite_loss != "ignore":
+            self._on_nonfinite_loss(self.epoch)
+            return False
+        self.nonfinite_in_a_row = 0
+        return True
 
     def _on_nonfinite_loss(self, epoch: int) -> None:
         """A NaN or Inf loss on some rank: every rank skips this micro-batch, or the run stops."""
@@ -500,23 +538,19 @@ class Trainer:
             )
         self.engine.train()
 
-    def _gather_losses(self, interval: Interval) -> tuple[float, list[float], bool]:
-        """Training loss over the interval: the mean over ranks, each rank's, and whether any rank must stop.
+    def _gather_losses(self, interval: Interval) -> tuple[float, list[float]]:
+        """Training loss over the interval: the mean over ranks, and each rank's.
 
         One all_gather, which synchronizes the device: log points are where that is paid.
         """
-        local = torch.tensor(
-            [0.0, float(interval.micro_steps), float(self.stop is not None and self.stop.requested)],
-            dtype=torch.float64,
-            device=self.engine.device,
-        )
+        local = torch.tensor([0.0, float(interval.micro_steps)], dtype=torch.float64, device=self.engine.device)
         if interval.loss_sum is not None:
             local[0] = interval.loss_sum.double()
         per_rank = [torch.empty_like(local) for _ in range(self.dist.world_size)]
         torch_dist.all_gather(per_rank, local)
         totals = torch.stack(per_rank).cpu()
         mean = float(totals[:, 0].sum() / totals[:, 1].sum()) if totals[:, 1].sum() else float("nan")
-        return mean, (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist(), bool(totals[:, 2].max())
+        return mean, (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
 
     def _rank_digests(self) -> dict[str, list[str]]:
         """Per-rank sha256 of the weights (equal when ranks are in sync) and of the first batch drawn."""
@@ -553,6 +587,8 @@ class Trainer:
             self.runlog.write(0, epoch=0, **{"loss/valid": self.initial_val_loss})
             log.info("initial validation loss %.5f", self.initial_val_loss)
 
+        if self.profile:
+            self._start_profiler()
         intervals: list[dict[str, float]] = []
         val_loss: float | None = None if self.resumed_at else self.initial_val_loss
         stopped = False
@@ -569,7 +605,9 @@ class Trainer:
                     self._science_metrics()
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                 self._save()
-                stopped = self.epoch < last_epoch and self._stop_requested_anywhere()
+                if self.epoch < last_epoch:
+                    self.agree()
+                stopped = self.stopping
         if stopped:
             log.warning(
                 "stopped on request (%s) at step %d after a checkpoint: continue with --resume",
@@ -608,8 +646,8 @@ class Trainer:
             "parameters": self.num_parameters,
             **self._rank_digests(),
         }
-        if self.dist.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.run.write_summary(summary)
+        self._stop_profiler()
         self.runlog.close()
         torch_dist.barrier()  # no rank leaves before rank 0 has written: under srun, the first to exit ends the step
         if not stopped:
@@ -628,57 +666,46 @@ class Trainer:
             leave=False,
         )
         interval = Interval(time.perf_counter())
-        stop = False
         batches = iter(self.train_loader)
         while True:
             wait_start = time.perf_counter()  # time blocked on the pipeline: what it costs the step
             try:
-                inp, tar = next(batches)
+                with phase("data_wait"):
+                    inp, tar = next(batches)
             except StopIteration:
                 break
             interval.data_wait_s += time.perf_counter() - wait_start
             self.batch_in_epoch += 1
             if self.first_batch_digest is None:  # once per run: which crops this rank drew
                 self.first_batch_digest = hashlib.sha256(inp.float().cpu().numpy().tobytes()).hexdigest()
-            loss = forward_loss(engine, inp, tar, cfg.lambda_rho)
-            if self.check_each_step:
-                nonfinite, bad_batch, stop_now = self.agree_on_step(loss, inp, tar)
-                stop = stop or stop_now
-                if bad_batch:
-                    raise DataError(
-                        f"a training batch holds NaN or Inf values (epoch {self.epoch + 1}, "
-                        f"batch {self.batch_in_epoch}); data_checks: every_batch"
-                    )
-                if nonfinite:
-                    self._on_nonfinite_loss(self.epoch)
-                    continue  # on every rank alike: no backward, no step for this micro-batch
-                self.nonfinite_in_a_row = 0
             step_before = engine.global_steps
-            backward_step(engine, loss)
-            interval.add(loss.detach())
+            proceed = functools.partial(self.check_step, inp=inp, tar=tar) if self.check_each_step else None
+            loss = micro_step(engine, inp, tar, cfg.lambda_rho, proceed)
+            if self.profiler is not None:
+                self.profiler.step()
+            if loss is None:
+                continue  # skipped on every rank alike: no backward, no step for this micro-batch
+            interval.add(loss)
             if engine.global_steps == step_before:
                 continue  # inside a gradient accumulation
             interval.steps += 1
             bar.update(1)
             if engine.global_steps % cfg.log_every_steps == 0:
-                values = self._log_interval(interval, bar)
-                stop = stop or bool(values.pop("stop"))
-                intervals.append(values)
+                intervals.append(self._log_interval(interval, bar))
                 interval = Interval(time.perf_counter())
-            if stop:  # at an optimizer-step boundary, agreed by every rank
+            if self.stopping:  # at an optimizer-step boundary, agreed by every rank
                 bar.close()
                 self._save()
                 return True
         if interval.steps:
-            values = self._log_interval(interval, bar)
-            stop = bool(values.pop("stop"))
-            intervals.append(values)
+            intervals.append(self._log_interval(interval, bar))
         bar.close()
-        return False
+        return False  # a stop agreed on by now comes after the epoch's validation and checkpoint
 
     def _log_interval(self, interval: Interval, bar: tqdm) -> dict[str, float]:
         engine = self.engine
-        loss, per_rank, stop = self._gather_losses(interval)  # synchronizes the device: the rate below is honest
+        loss, per_rank = self._gather_losses(interval)  # synchronizes the device: the rate below is honest
+        self.agree()  # a stop requested on any rank is seen by every rank at the same log point
         elapsed = time.perf_counter() - interval.start
         rate = interval.steps * self.cfg.global_batch_size / elapsed
         lr = self.schedule.lr_at(self.schedule.steps_taken)  # what the last step used
@@ -712,15 +739,4 @@ class Trainer:
             rate,
             values["data_wait_pct"],
         )
-        return {**values, "stop": stop}
-
-
-def write_resolved_config(run_dir: Path, name: str, cfg: Config, ds_config: dict[str, Any], dist: DistEnv) -> None:
-    record = {
-        "name": name,
-        "commit": git_commit(),
-        "world_size": dist.world_size,
-        "config": to_dict(cfg),
-        "deepspeed": ds_config,
-    }
-    (run_dir / "config.json").write_text(json.dumps(record, indent=2) + "\n")
+        return values

@@ -1,0 +1,142 @@
+"""The run directory: the names of what a run leaves in it, where a new run goes, and the records written there.
+
+A new run never reuses a directory that holds an earlier run unless ``--overwrite`` says so; even then the
+earlier run is only set aside (renamed into ``.overwritten``) and deleted once the new run has passed its
+checks, or put back where it was if the new run stops before that. Records (the resolved config, the summary)
+are replaced atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as torch_dist
+
+from model.checkpoints import CHECKPOINT_DIR, RUN_CONFIG
+from pipeline.files import write_text_atomically
+from trainer.config import Config, to_dict
+from trainer.dist import DistEnv
+from trainer.errors import ConfigError
+from trainer.provenance import git_commit
+
+log = logging.getLogger(__name__)
+
+CONFIG = RUN_CONFIG  # the resolved config: what --resume reads back
+SUMMARY = "summary.json"
+METRICS = "metrics.jsonl"
+LOG = "train.log"
+TENSORBOARD = "tensorboard"
+PROFILE = "profile"
+RUN_FILES = (CONFIG, METRICS, SUMMARY, LOG, TENSORBOARD, PROFILE, CHECKPOINT_DIR)
+# --overwrite moves the earlier run here, and deletes it only once the new run has passed its checks.
+SET_ASIDE = ".overwritten"
+
+
+def refuse_leftover_set_aside(run_dir: Path) -> None:
+    if (run_dir / SET_ASIDE).exists():
+        raise ConfigError(
+            f"{run_dir / SET_ASIDE} holds an earlier run that an interrupted --overwrite set aside: move its files "
+            f"back into {run_dir} to keep that run, or delete it; then start again"
+        )
+
+
+def saved_config(run_dir: Path | None) -> dict[str, Any]:
+    """What a run to be resumed recorded in its run directory: its name and config."""
+    if run_dir is None:
+        raise ConfigError("--resume needs --run_dir")
+    refuse_leftover_set_aside(run_dir)
+    path = run_dir / CONFIG
+    if not path.is_file():
+        raise ConfigError(f"--resume: {path} not found; is {run_dir} a run directory?")
+    return json.loads(path.read_text())
+
+
+def configure_logging(rank: int) -> None:
+    """Log lines with a time stamp; INFO from rank 0, warnings and errors only from the others."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+class RunDir:
+    """One run's directory, the same on every rank; rank 0 writes into it."""
+
+    def __init__(self, path: Path, dist: DistEnv, set_aside: bool) -> None:
+        self.path, self.dist, self.set_aside = path, dist, set_aside
+        self.started = False
+
+    @classmethod
+    def claim(cls, path: Path | None, name: str, dist: DistEnv, resume: bool, overwrite: bool) -> RunDir:
+        """The directory for this run (``runs/<name>-<date>-<time>`` by default), made on rank 0; an earlier run in
+        it is set aside with ``overwrite``, continued with ``resume``, and otherwise a one-line error."""
+        if path is None:
+            stamp: list[Any] = [time.strftime("%Y%m%d-%H%M%S")]
+            torch_dist.broadcast_object_list(stamp, src=0)  # ranks start at slightly different times
+            path = Path("runs") / f"{name}-{stamp[0]}"
+        refuse_leftover_set_aside(path)
+        earlier = [entry for entry in RUN_FILES if (path / entry).exists()]
+        set_aside = bool(earlier) and not resume
+        if set_aside:
+            if not overwrite:
+                raise ConfigError(
+                    f"{path} holds an earlier run ({', '.join(earlier)}): --resume continues it, "
+                    "--overwrite deletes it, or choose another --run_dir"
+                )
+            torch_dist.barrier()  # every rank has looked before rank 0 moves anything
+            if dist.is_main:
+                (path / SET_ASIDE).mkdir()
+                for entry in earlier:  # renames, nothing copied
+                    (path / entry).rename(path / SET_ASIDE / entry)
+        if dist.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+        torch_dist.barrier()  # every rank has looked for an earlier run before the log file below exists
+        if dist.is_main:
+            handler = logging.FileHandler(path / LOG)
+            handler.setFormatter(logging.getLogger().handlers[0].formatter)
+            logging.getLogger().addHandler(handler)
+            log.info("run directory %s", path)
+        return cls(path, dist, set_aside)
+
+    def start(self, name: str, cfg: Config, ds_config: dict[str, Any]) -> None:
+        """Every rank passed its checks: an earlier run set aside goes for good, and the resolved config is written."""
+        self.started = True
+        if not self.dist.is_main:
+            return
+        if self.set_aside:
+            log.warning("--overwrite: deleted the earlier run in %s", self.path)
+            shutil.rmtree(self.path / SET_ASIDE)
+        record = {
+            "name": name,
+            "commit": git_commit(),
+            "world_size": self.dist.world_size,
+            "config": to_dict(cfg),
+            "deepspeed": ds_config,
+        }
+        write_text_atomically(self.path / CONFIG, json.dumps(record, indent=2) + "\n")
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        if self.dist.is_main:
+            write_text_atomically(self.path / SUMMARY, json.dumps(summary, indent=2) + "\n")
+
+    def release(self) -> None:
+        """After a run that did not start: the earlier run set aside is put back where it was, replacing what the
+        failed start wrote (its log, its metrics)."""
+        if self.started or not self.set_aside or not self.dist.is_main:
+            return
+        aside = self.path / SET_ASIDE
+        for entry in aside.iterdir():
+            mine = self.path / entry.name
+            if mine.exists():
+                shutil.rmtree(mine) if mine.is_dir() else mine.unlink()
+            entry.rename(mine)
+        aside.rmdir()
+        log.warning("--overwrite: the new run did not start; the earlier run in %s is back as it was", self.path)
