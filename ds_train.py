@@ -18,12 +18,13 @@ import sys
 import torch.distributed as torch_dist
 
 from pipeline.cli import output_dir
+from trainer.build import prepare_data
 from trainer.config import build_config, config_parser, load_named, parse_config_options, resumed_config
-from trainer.dist import DistEnv
+from trainer.dist import DistEnv, init_distributed
 from trainer.errors import USER_ERRORS, NumericalError
 from trainer.preemption import PREEMPTED_EXIT, StopRequest
 from trainer.rundir import RunDir, configure_logging, saved_config
-from trainer.trainer import Trainer, init_distributed, prepare_data
+from trainer.trainer import Trainer
 
 log = logging.getLogger("ds_train")
 DIVERGED_EXIT = 3

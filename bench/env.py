@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import torch
 
 from trainer.provenance import REPO as REPO  # re-exported for the benchmarks
-from trainer.provenance import git_commit
+from trainer.provenance import cpu_info, git_commit
 
 
 def append_records(path: Path, records: list[dict[str, Any]]) -> None:
@@ -66,14 +66,7 @@ def _version(package: str) -> str | None:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return cpu_info().model or platform.processor() or "unknown"
 
 
 def environment() -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from model import UNet
+from trainer.provenance import cpu_info
 
 # Dense (no sparsity) peaks from the vendors' datasheets. fp32 training on these GPUs runs its
 # convolutions in TF32 (PyTorch's default for cuDNN), so fp32 is measured against the TF32 peak.
@@ -53,12 +54,8 @@ def model_flops(in_channels: int, out_channels: int, width: int, depth: int, cro
 
 def _cpu_peak(precision: str) -> tuple[float | None, str]:
     """An estimate: cores x clock x FLOP per cycle from the vector units the CPU reports."""
-    try:
-        info = open("/proc/cpuinfo").read()
-    except OSError:
-        return None, "unknown CPU"
-    mhz = [float(line.split(":")[1]) for line in info.splitlines() if line.startswith("cpu MHz")]
-    flags = next((line for line in info.splitlines() if line.startswith("flags")), "")
+    info = cpu_info()
+    mhz, flags = info.mhz, info.flags
     if not mhz:
         return None, "unknown CPU clock"
     cores = len(os.sched_getaffinity(0))

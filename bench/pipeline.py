@@ -170,9 +170,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 storage = case.removesuffix("-npy")
                 settings = LoaderSettings(backend, storage, "float16", args.threads, lookahead=2)
                 v = npy_volumes if case.endswith("-npy") else volumes
-                cases[f"{backend}-{case}"] = lambda s=settings, v=v, p=plan: build_loader(
-                    v, p, AUG, s, s.storage, device, dtype
-                )
+                cases[f"{backend}-{case}"] = lambda s=settings, v=v, p=plan: build_loader(v, p, AUG, s, device, dtype)
         # Repeats go round all cases, so that drift on a shared machine spreads over every case alike.
         results: dict[str, list[dict[str, float]]] = {case: [] for case in cases}
         for repeat in range(args.repeats):

@@ -28,8 +28,9 @@ from bench.train import RESULTS, parse_args
 from pipeline.cli import ArgumentParser, output_file
 from pipeline.loaders import dali_installed, resolve_backend
 from pipeline.synthetic import ensure_boxes
+from trainer.build import engine_config
 from trainer.config import Config, parse_value
-from trainer.engine import TORCH_FUSED_ADAM, load_ds_template, merge_settings, plan_batches, resolve_ds_config
+from trainer.engine import TORCH_FUSED_ADAM, merge_settings, plan_batches
 from trainer.errors import ConfigError
 
 PRECISION_JSON = {
@@ -308,8 +309,7 @@ def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, de
         try:
             options, cfg = parse_args(train_options(base, case, args, "check"))
             plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, case.ranks)
-            template = load_ds_template(cfg.deepspeed_config, cfg.deepspeed_overrides)
-            ds_config = resolve_ds_config(template, plan, cfg.lr_schedule.start_lr, device_type)
+            ds_config = engine_config(cfg, case.ranks, device_type)  # the run's own, peak learning rate included
         except ConfigError as err:
             sys.exit(f"case {case.label!r}: {err}")
         try:  # DeepSpeed's own checks (unknown keys, wrong types), with the batch as one rank sees it here

@@ -37,13 +37,14 @@ from bench.env import REPO, append_records, environment
 from bench.flops import model_flops, utilization
 from model import UNet, unet_loss
 from pipeline.cli import output_file
+from trainer.build import prepare_data
 from trainer.config import Config, build_config, config_parser, load_named, parse_config_options
-from trainer.dist import DistEnv
+from trainer.dist import DistEnv, init_distributed
 from trainer.engine import precision_name
 from trainer.errors import USER_ERRORS
 from trainer.rundir import RunDir
 from trainer.step import micro_step
-from trainer.trainer import Trainer, init_distributed, prepare_data
+from trainer.trainer import Trainer
 
 RESULTS = REPO / "bench" / "results" / "train.jsonl"
 MODES = ("io", "synthetic", "full", "plain")
@@ -335,8 +336,8 @@ def measure(argv: list[str] | None) -> None:
                 "unet_width": cfg.unet_width,
                 "unet_depth": cfg.unet_depth,
                 "parameters": trainer.num_parameters,
-                "storage": trainer.storage,
-                "backend": trainer.backend,
+                "storage": trainer.data.settings.storage,
+                "backend": trainer.data.settings.backend,
                 "threads_per_rank": torch.get_num_threads(),
                 "fast_paths": {
                     "channels_last": cfg.channels_last,

@@ -84,11 +84,12 @@ def batches_held(backend: Backend) -> int:
 
 
 def batch_buffer_bytes(
-    storage: Storage, settings: LoaderSettings, batch: int, crop: int, channels: int, data_format: str = "hdf5"
+    settings: LoaderSettings, batch: int, crop: int, channels: int, data_format: str = "hdf5"
 ) -> int:
     """Host memory of one rank's batch buffers, for the training and the validation loader (``channels``: input
     plus target): the batchers' rings, or DALI's own buffers (its prefetched batches, about one batch per stage of
     the graph); none where the volumes are cut on the device."""
+    storage = settings.storage
     if storage == "device":
         return 0
     if uses_batcher(settings.backend, storage, data_format):
@@ -109,14 +110,13 @@ def _available_host_bytes() -> int | None:
     return None
 
 
-def check_memory(
-    storage: Storage, volumes: list[VolumePair], settings: LoaderSettings, local_ranks: int, buffer_bytes: int
-) -> None:
+def check_memory(volumes: list[VolumePair], settings: LoaderSettings, local_ranks: int, buffer_bytes: int) -> None:
     """Log what the storage mode needs, and refuse before loading anything when it cannot fit.
 
     Host memory per rank: the volumes under ``host``, and the batchers' rings (``buffer_bytes``, from
     ``batch_buffer_bytes``) under ``host`` and ``lazy``; times the ranks on this node.
     """
+    storage = settings.storage
     volume_bytes = sum(v.nbytes for v in volumes)
     if storage in ("lazy", "host"):
         resident = volume_bytes if storage == "host" else 0
@@ -176,16 +176,14 @@ def build_loader(
     plan: DrawPlan,
     augmenter: Augmenter,
     settings: LoaderSettings,
-    storage: Storage,
     device: torch.device,
     dtype: torch.dtype,
     first_epoch: int = 0,
     first_batch: int = 0,
 ):
-    """A DaliLoader or TorchLoader for ``plan`` over ``volumes``, kept as ``storage`` says.
-
-    ``storage`` must already be what this device can do (see ``effective_storage``).
-    """
+    """A DaliLoader or TorchLoader for ``plan`` over ``volumes``, kept as ``settings.storage`` says, which must
+    already be what this device can do (see ``effective_storage``)."""
+    storage = settings.storage
     on_gpu = device.type == "cuda"
     common = dict(
         plan=plan,

@@ -18,6 +18,7 @@ from pipeline.synthetic import SyntheticSpec
 from tests.conftest import REPO, TINY_ARGS, single_process_env
 from trainer.config import Config
 from trainer.engine import plan_batches
+from trainer.lr_schedule import peak_lr
 
 
 def analytic_unet_flops(cin: int, cout: int, width: int, depth: int, crop: int) -> tuple[float, float]:
@@ -294,6 +295,9 @@ def test_every_case_of_a_preset_is_a_valid_run(preset, tmp_path, monkeypatch):
         assert (args.modes, args.case, args.out, cfg.backend) == (case.modes, case.label, sweep.out, "torch")
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, case.ranks)
         assert ds_config["train_batch_size"] == plan.global_batch
+        sched = cfg.lr_schedule  # the run's own peak learning rate, scaled to its global batch
+        peak = peak_lr(sched.start_lr, sched.scaling, cfg.global_batch_size, cfg.base_batch_size)
+        assert ds_config["optimizer"]["params"]["lr"] == pytest.approx(peak)
     if preset == "gpu-comm":  # ZeRO 2's settings really differ from the JSON's own
         checked = zip(cases, check_cases(base, cases, sweep, device), strict=True)
         settings = {

@@ -243,16 +243,16 @@ def test_make_tensorboard_serves_the_runs(tmp_path):
 
 
 def test_the_one_off_build_of_deepspeeds_cpu_op_is_announced_only_when_it_will_happen(monkeypatch, tmp_path, caplog):
-    from trainer.trainer import announce_cpu_comm_build
+    from trainer.dist import announce_cpu_comm_build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    with caplog.at_level("INFO", logger="trainer.trainer"):
+    with caplog.at_level("INFO", logger="trainer.dist"):
         announce_cpu_comm_build()
     assert caplog.messages == [
         f"building DeepSpeed's CPU communication op, once (about 40 s; cached in {tmp_path / 'deepspeed_shm_comm'})"
     ]
     (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
     caplog.clear()
-    with caplog.at_level("INFO", logger="trainer.trainer"):
+    with caplog.at_level("INFO", logger="trainer.dist"):
         announce_cpu_comm_build()
     assert caplog.messages == []

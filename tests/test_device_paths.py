@@ -99,7 +99,7 @@ def test_gpu_storage_modes_give_the_same_samples(volumes, tiny_data, backend, st
     plan = DrawPlan(seed=0, num_samples=20, batch_size=8, box_size=32, crop_size=CROP, rotate=True)
     opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP)
     settings = LoaderSettings(backend, storage, "float32", threads=2, lookahead=2)
-    loader = build_loader(opened, plan, AUG, settings, storage, torch.device("cuda", 0), torch.float32)
+    loader = build_loader(opened, plan, AUG, settings, torch.device("cuda", 0), torch.float32)
     for b, (inp, tar) in enumerate(loader):
         assert inp.device.type == "cuda"
         for j, draw in enumerate(plan.batch_draws(0, b)):
@@ -114,7 +114,7 @@ def test_gpu_batches_of_the_torch_backend_need_no_host_sync(tiny_data, storage):
     plan = DrawPlan(seed=0, num_samples=24, batch_size=8, box_size=32, crop_size=CROP, rotate=True)
     opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP)
     settings = LoaderSettings("torch", storage, "float32", threads=2, lookahead=2, channels_last=True)
-    batches = iter(build_loader(opened, plan, AUG, settings, storage, torch.device("cuda", 0), torch.float16))
+    batches = iter(build_loader(opened, plan, AUG, settings, torch.device("cuda", 0), torch.float16))
     next(batches)  # the first batch sets things up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -134,7 +134,7 @@ def test_batches_held_on_the_gpu_keep_their_samples(volumes, tiny_data, storage)
     plan = DrawPlan(seed=0, num_samples=80, batch_size=8, box_size=32, crop_size=CROP, rotate=True)
     opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP)
     settings = LoaderSettings("torch", storage, "float32", threads=2, lookahead=2)
-    loader = build_loader(opened, plan, AUG, settings, storage, torch.device("cuda", 0), torch.float32)
+    loader = build_loader(opened, plan, AUG, settings, torch.device("cuda", 0), torch.float32)
     with torch.cuda.stream(loader.copy_stream):
         torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the first copy
     held = list(loader)
@@ -143,12 +143,6 @@ def test_batches_held_on_the_gpu_keep_their_samples(volumes, tiny_data, storage)
             ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
             assert np.array_equal(inp[j].cpu().numpy(), ref_inp), (b, j)
             assert np.array_equal(tar[j].cpu().numpy(), ref_tar), (b, j)
-
-
-def test_dali_is_checked_where_installed():
-    if not HAVE_DALI:
-        pytest.skip("DALI is not installed here: only the torch backend's device paths were checked")
-    assert "dali" in BACKENDS
 
 
 def _median_batch_s(loader, batches: int, device: torch.device) -> float:

@@ -1,8 +1,7 @@
 import pytest
 
-from trainer.dist import DistEnv, first_host, tasks_on_node
+from trainer.dist import DistEnv, first_host, gpu_index, tasks_on_node
 from trainer.errors import DistError
-from trainer.trainer import gpu_index
 
 LAUNCHED = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "node01", "MASTER_PORT": "29500"}
 

@@ -41,7 +41,7 @@ PLAN = EveryRotation(seed=0, num_samples=28, batch_size=8, box_size=32, crop_siz
 def test_channels_last_batches_hold_the_same_values(volumes, backend):
     def batches(channels_last):
         settings = LoaderSettings(backend, "host", "float32", 2, 2, channels_last=channels_last)
-        return _epoch(build_loader(volumes, PLAN, AUG, settings, "host", CPU, torch.float32))
+        return _epoch(build_loader(volumes, PLAN, AUG, settings, CPU, torch.float32))
 
     for (a_inp, a_tar), (b_inp, b_tar) in zip(batches(False), batches(True), strict=True):
         assert b_inp.is_contiguous(memory_format=CHANNELS_LAST) and b_tar.is_contiguous(memory_format=CHANNELS_LAST)
@@ -165,10 +165,9 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
     The sync debug mode does not see explicit torch.cuda.synchronize() calls: those fail the test too."""
     deepspeed = pytest.importorskip("deepspeed")
 
-    from trainer.dist import DistEnv
+    from trainer.dist import DistEnv, init_distributed
     from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
     from trainer.step import micro_step
-    from trainer.trainer import init_distributed
 
     init_distributed(DistEnv.from_environ({}), 60.0)
     config = resolve_ds_config(load_ds_template(REPO / "ds_configs" / "ds_fp32.json"), BatchPlan(4, 1, 1), 1e-3, "cuda")
@@ -201,7 +200,7 @@ from tests.conftest import REPO
 from trainer.dist import DistEnv
 from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
 from trainer.step import micro_step
-from trainer.trainer import init_distributed
+from trainer.dist import init_distributed
 
 device = init_distributed(DistEnv.from_environ(), 60.0)
 template = load_ds_template(REPO / "ds_configs" / "ds_fp32.json")
@@ -246,7 +245,7 @@ from tests.conftest import REPO
 from trainer.dist import DistEnv
 from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
 from trainer.step import micro_step
-from trainer.trainer import init_distributed
+from trainer.dist import init_distributed
 
 device = init_distributed(DistEnv.from_environ(), 60.0)
 template = load_ds_template(REPO / "ds_configs" / "ds_fp32.json")

@@ -80,7 +80,7 @@ from tests.conftest import REPO
 from trainer.dist import DistEnv
 from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config
 from trainer.lr_schedule import ScaledCosineSchedule
-from trainer.trainer import init_distributed
+from trainer.dist import init_distributed
 
 device = init_distributed(DistEnv.from_environ(), 60.0)
 template = load_ds_template(REPO / "ds_configs" / "ds_bf16.json")

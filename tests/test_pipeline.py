@@ -67,7 +67,7 @@ def test_cpu_batches_of_the_torch_backend_are_read_in_place_and_stay_intact_thro
     plan = _plan(num_samples=64, batch_size=8)
     for lookahead in (0, 1, 3):
         loader = build_loader(
-            volumes, plan, AUG, LoaderSettings("torch", "host", "float32", 2, lookahead), "host", CPU, torch.float32
+            volumes, plan, AUG, LoaderSettings("torch", "host", "float32", 2, lookahead), CPU, torch.float32
         )
         previous, buffers = None, set()
         for b, (inp, tar) in enumerate(loader):
@@ -88,7 +88,7 @@ def test_cpu_batches_of_the_torch_backend_are_read_in_place_and_stay_intact_thro
 def test_inputs_in_training_dtype_targets_in_float32(volumes, backend, dtype):
     plan = _plan(num_samples=8)
     settings = LoaderSettings(backend, "host", "float32", threads=1, lookahead=1)
-    loader = build_loader(volumes, plan, AUG, settings, "host", CPU, dtype)
+    loader = build_loader(volumes, plan, AUG, settings, CPU, dtype)
     ((inp, tar),) = _epoch(loader)
     assert inp.dtype == dtype and inp.is_contiguous() and tar.dtype == torch.float32
     ref_inp, ref_tar = AUG.reference(volumes, plan.batch_draws(0, 0)[3], CROP)
@@ -119,7 +119,7 @@ def test_every_storage_mode_format_and_backend_gives_the_reference_samples(tmp_p
             # 'device' runs here on the CPU: the volumes held by DALI's gathering function, or by torch's gather.
             for storage in ("lazy", "host", "device"):
                 settings = LoaderSettings(backend, storage, "float32", threads=2, lookahead=2)
-                loader = build_loader(opened, plan, AUG, settings, storage, CPU, torch.float32)
+                loader = build_loader(opened, plan, AUG, settings, CPU, torch.float32)
                 _check_against_reference(loader, plan, volumes)
                 loader.close()
 
@@ -295,13 +295,13 @@ def test_host_memory_that_cannot_fit_is_refused_before_loading(volumes, monkeypa
     settings = LoaderSettings("dali", "host", "float32", 1, 1)
     buffers = 1000
     monkeypatch.setattr(loaders, "_available_host_bytes", lambda: (volumes.nbytes + buffers) * 3)
-    loaders.check_memory("host", [volumes], settings, local_ranks=3, buffer_bytes=buffers)  # fits: 3 ranks
+    loaders.check_memory([volumes], settings, local_ranks=3, buffer_bytes=buffers)  # fits: 3 ranks
     with pytest.raises(DataError, match="storage 'host' needs .* of host memory on this node"):
-        loaders.check_memory("host", [volumes], settings, local_ranks=3, buffer_bytes=buffers + 1)
+        loaders.check_memory([volumes], settings, local_ranks=3, buffer_bytes=buffers + 1)
     lazy = LoaderSettings("dali", "lazy", "float32", 1, 1)
-    loaders.check_memory("lazy", [volumes], lazy, local_ranks=3, buffer_bytes=volumes.nbytes + buffers)
+    loaders.check_memory([volumes], lazy, local_ranks=3, buffer_bytes=volumes.nbytes + buffers)
     with pytest.raises(DataError, match=r"storage 'lazy' needs .* batch buffers\) .*: lower data_prefetch"):
-        loaders.check_memory("lazy", [volumes], lazy, local_ranks=4, buffer_bytes=volumes.nbytes + buffers)
+        loaders.check_memory([volumes], lazy, local_ranks=4, buffer_bytes=volumes.nbytes + buffers)
 
 
 @pytest.mark.parametrize("backend, storage", [("torch", "host"), ("torch", "lazy"), ("dali", "lazy")])
@@ -309,9 +309,9 @@ def test_the_memory_check_counts_the_batch_buffers_the_batchers_allocate(volumes
     from pipeline.loaders import batch_buffer_bytes
 
     settings = LoaderSettings(backend, storage, "float32", 1, 3)
-    loaders = [build_loader(volumes, _plan(), AUG, settings, storage, CPU, torch.float32) for _ in ("train", "val")]
+    loaders = [build_loader(volumes, _plan(), AUG, settings, CPU, torch.float32) for _ in ("train", "val")]
     try:
-        expected = batch_buffer_bytes(storage, settings, batch=8, crop=CROP, channels=9)
+        expected = batch_buffer_bytes(settings, batch=8, crop=CROP, channels=9)
         assert sum(loader.batcher.nbytes for loader in loaders) == expected > 0
     finally:
         for loader in loaders:

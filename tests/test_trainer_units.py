@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
+from trainer.build import unused_data_keys, validation_share
 from trainer.config import Config
-from trainer.trainer import unused_data_keys, validation_share
 
 
 @pytest.mark.parametrize(
@@ -26,12 +26,9 @@ def test_validation_share(num, batch, policy, world, expected):
 def test_data_keys_that_the_storage_mode_does_not_use():
     tuned = Config(num_data_workers=8, data_prefetch=4, device_storage_dtype="float16", gpu_direct_storage=True)
     # The GPU cuts the crops: no CPU threads; the torch backend prefetches nothing there, DALI does.
-    assert unused_data_keys(tuned, "device", "torch", "cuda") == [
-        "num_data_workers",
-        "data_prefetch",
-        "gpu_direct_storage",
-    ]
-    assert unused_data_keys(tuned, "device", "dali", "cuda") == ["num_data_workers", "gpu_direct_storage"]
+    torch_device = ["gpu_direct_storage", "num_data_workers", "data_prefetch"]
+    assert unused_data_keys(tuned, "device", "torch", "cuda") == torch_device
+    assert unused_data_keys(tuned, "device", "dali", "cuda") == ["gpu_direct_storage", "num_data_workers"]
     assert unused_data_keys(tuned, "host", "dali", "cuda") == ["device_storage_dtype", "gpu_direct_storage"]
     npy = dataclasses.replace(tuned, data_format="npy")  # GPUDirect Storage: DALI's numpy reader on a GPU only
     assert unused_data_keys(npy, "lazy", "dali", "cuda") == ["device_storage_dtype"]

@@ -34,10 +34,28 @@ DEFAULT_YAML = Path("ds_configs/UNet.yaml")
 log = logging.getLogger(__name__)
 
 
-def _field(default: Any, help: str) -> Any:
+Bound = Literal["positive", "non-negative"]
+# Which storage modes, backends and devices leave a data key unused: (cfg, effective storage, backend, device type).
+Unused = typing.Callable[["Config", str, str, str], bool]
+
+
+def _field(
+    default: Any,
+    help: str,
+    *,
+    bound: Bound | None = None,
+    path: Literal["hdf5", "npy", "file"] | None = None,
+    resumable: bool = False,
+    unused: Unused | None = None,
+) -> Any:
+    """A config key and what is known about it: its ``help``; the ``bound`` its value must respect (unless null);
+    that it names a file (``path``: read with that data_format, or any file), so that ${VAR} in it is expanded; that
+    a resumed run may change it without changing what it learns (``resumable``: where data and logs go, how fast
+    the input pipeline runs, how often it logs and checks); and when the data path leaves it ``unused``."""
+    metadata = {"help": help, "bound": bound, "path": path, "resumable": resumable, "unused": unused}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -54,17 +72,20 @@ class LRSchedule:
 
 @dataclass
 class WeightInit:
-    conv_init: Literal["normal"] = _field("normal", "initialization of conv weights")
     conv_scale: float = _field(0.02, "standard deviation of the conv weights")
     conv_bias: float | None = _field(0.0, "value of the conv biases (null: keep PyTorch's init)")
 
 
 @dataclass
 class Config:
-    description: str = _field("", "one line saying what a named config is for (--help lists them)")
+    description: str = _field("", "one line saying what a named config is for (--help lists them)", resumable=True)
     # Data
-    train_path: str = _field("/data/downsamp_2048crop_train.h5", "HDF5 file with the training box")
-    val_path: str = _field("/data/downsamp_1024crop_valid.h5", "HDF5 file with the validation box")
+    train_path: str = _field(
+        "/data/downsamp_2048crop_train.h5", "HDF5 file with the training box", path="hdf5", resumable=True
+    )
+    val_path: str = _field(
+        "/data/downsamp_1024crop_valid.h5", "HDF5 file with the validation box", path="hdf5", resumable=True
+    )
     synthetic: SyntheticSpec | None = _field(
         None, "if set, missing train/val files are generated from this synthetic spec on first use"
     )
@@ -72,34 +93,51 @@ class Config:
         "hdf5", "hdf5: train_path/val_path; npy: the *_npy_data/*_npy_label files"
     )
     train_path_npy_data: str = _field(
-        "/data/downsamp_2048crop_train_data.npy", "training inputs as .npy (data_format npy)"
+        "/data/downsamp_2048crop_train_data.npy",
+        "training inputs as .npy (data_format npy)",
+        path="npy",
+        resumable=True,
     )
-    train_path_npy_label: str = _field("/data/downsamp_2048crop_train_label.npy", "training targets as .npy")
-    val_path_npy_data: str = _field("/data/downsamp_1024crop_valid_data.npy", "validation inputs as .npy")
-    val_path_npy_label: str = _field("/data/downsamp_1024crop_valid_label.npy", "validation targets as .npy")
+    train_path_npy_label: str = _field(
+        "/data/downsamp_2048crop_train_label.npy", "training targets as .npy", path="npy", resumable=True
+    )
+    val_path_npy_data: str = _field(
+        "/data/downsamp_1024crop_valid_data.npy", "validation inputs as .npy", path="npy", resumable=True
+    )
+    val_path_npy_label: str = _field(
+        "/data/downsamp_1024crop_valid_label.npy", "validation targets as .npy", path="npy", resumable=True
+    )
     npy_layout: Literal["CDHW", "DHWC"] = _field("CDHW", "axis order of the .npy volumes: channels first or last")
     storage: Literal["lazy", "host", "device"] = _field(
         "lazy",
         "lazy: read each crop from the files (the reference's lowmem); host: load the volumes into memory (inmem); "
         "device: load them into GPU memory and cut crops there (falls back to host without a GPU)",
+        resumable=True,
     )
     device_storage_dtype: Literal["float32", "float16"] = _field(
         "float32",
         "precision of the input volume kept on the GPU (storage device); float16 halves it (the targets stay float32, "
         "the precision of the loss)",
+        resumable=True,
+        unused=lambda cfg, storage, backend, device: storage != "device",
     )
     backend: Literal["auto", "dali", "torch"] = _field(
         "auto",
         "dali: DALI pipelines make the samples; torch: the same samples from threads and torch ops; auto: dali on a "
         "GPU, torch on a CPU (measured faster there)",
+        resumable=True,
     )
     gpu_direct_storage: bool = _field(
         False,
         "lazy .npy storage with the dali backend on a GPU: read crops straight into GPU memory (GPUDirect Storage)",
+        resumable=True,
+        unused=lambda cfg, storage, backend, device: (
+            (storage, cfg.data_format, backend, device) != ("lazy", "npy", "dali", "cuda")
+        ),
     )
-    data_size: int = _field(64, "side of the training crops in voxels")
-    Nsamples: int = _field(65536, "training samples per epoch (over all ranks)")
-    Nsamples_val: int = _field(8192, "validation samples per evaluation (over all ranks)")
+    data_size: int = _field(64, "side of the training crops in voxels", bound="positive")
+    Nsamples: int = _field(65536, "training samples per epoch (over all ranks)", bound="positive")
+    Nsamples_val: int = _field(8192, "validation samples per evaluation (over all ranks)", bound="positive")
     last_batch: Literal["partial", "drop"] = _field(
         "partial", "validation samples that do not fill a last batch: evaluate them in a smaller batch, or drop them"
     )
@@ -112,22 +150,36 @@ class Config:
     )
     target_vectors: list[list[int]] = _field([[1, 2, 3]], "target channels that form vectors, as input_vectors")
     rotate: bool = _field(True, "apply one of the 24 rotations of the cube to each training sample")
-    num_data_workers: int = _field(2, "threads per rank cutting crops on the CPU")
-    data_prefetch: int = _field(2, "batches cut ahead of the one being trained on")
+    num_data_workers: int = _field(
+        2,
+        "threads per rank cutting crops on the CPU",
+        bound="positive",
+        resumable=True,
+        unused=lambda cfg, storage, backend, device: storage == "device",
+    )
+    data_prefetch: int = _field(
+        2,
+        "batches cut ahead of the one being trained on",
+        bound="non-negative",
+        resumable=True,
+        unused=lambda cfg, storage, backend, device: storage == "device" and backend == "torch",
+    )
     # Model
-    unet_width: int = _field(64, "channels of the first U-Net level (64 in the reference)")
+    unet_width: int = _field(64, "channels of the first U-Net level (64 in the reference)", bound="positive")
     unet_depth: int = _field(6, "U-Net levels: 6 is the reference's full_scale: True, 5 its full_scale: False")
     weight_init: WeightInit = _field(WeightInit(), "initialization of the network")
     lambda_rho: float = _field(0.0, "weight of the extra L1 term on gas density in original space")
     # Optimization
-    num_epochs: int = _field(10, "training epochs")
-    global_batch_size: int = _field(64, "samples per optimizer step, over all ranks")
-    base_batch_size: int = _field(64, "batch size at which lr_schedule.start_lr applies")
+    num_epochs: int = _field(10, "training epochs", bound="positive")
+    global_batch_size: int = _field(64, "samples per optimizer step, over all ranks", bound="positive")
+    base_batch_size: int = _field(64, "batch size at which lr_schedule.start_lr applies", bound="positive")
     micro_batch_size: int | None = _field(
-        None, "samples per rank per forward pass (null: global_batch_size / world size, no accumulation)"
+        None,
+        "samples per rank per forward pass (null: global_batch_size / world size, no accumulation)",
+        bound="positive",
     )
     lr_schedule: LRSchedule = _field(LRSchedule(), "learning-rate schedule")
-    deepspeed_config: str = _field("ds_configs/ds_fp16.json", "DeepSpeed JSON: precision, optimizer, ZeRO")
+    deepspeed_config: str = _field("ds_configs/ds_fp16.json", "DeepSpeed JSON: precision, optimizer, ZeRO", path="file")
     deepspeed_overrides: dict = _field(
         {}, "settings merged into that JSON, mapping by mapping: {zero_optimization: {reduce_bucket_size: 200000000}}"
     )
@@ -136,74 +188,79 @@ class Config:
         False,
         "batches in channels-last 3D memory format (NDHWC), which convolutions then keep through the network "
         "(the weights stay as they are: DeepSpeed broadcasts and flattens parameters as contiguous tensors)",
+        resumable=True,
     )
-    cudnn_benchmark: bool | None = _field(None, "let cuDNN time and pick convolution algorithms (null: on with a GPU)")
-    compile: bool = _field(False, "compile the model with torch.compile through the engine (engine.compile())")
+    cudnn_benchmark: bool | None = _field(
+        None, "let cuDNN time and pick convolution algorithms (null: on with a GPU)", resumable=True
+    )
+    compile: bool = _field(
+        False, "compile the model with torch.compile through the engine (engine.compile())", resumable=True
+    )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = _field(
         "default",
         "torch.compile's mode with compile: true (reduce-overhead: CUDA graphs of the forward and backward; "
         "max-autotune: searched kernels, and CUDA graphs too)",
+        resumable=True,
     )
     seed: int = _field(0, "base seed: model init, and crops (each rank draws with seed + global rank)")
     # Logging and checkpoints
-    log_every_steps: int = _field(20, "optimizer steps between log points")
-    checkpoint_keep: int = _field(3, "checkpoints kept in the run directory (the newest ones)")
-    cpu_threads: int | None = _field(None, "torch threads per rank on CPU (null: cores / ranks on this node)")
-    dist_timeout_s: float = _field(600.0, "how long a collective waits for a missing rank before failing")
+    log_every_steps: int = _field(20, "optimizer steps between log points", bound="positive", resumable=True)
+    checkpoint_keep: int = _field(
+        3, "checkpoints kept in the run directory (the newest ones)", bound="positive", resumable=True
+    )
+    cpu_threads: int | None = _field(
+        None, "torch threads per rank on CPU (null: cores / ranks on this node)", bound="positive", resumable=True
+    )
+    dist_timeout_s: float = _field(
+        600.0, "how long a collective waits for a missing rank before failing", bound="positive", resumable=True
+    )
     science_every_epochs: int = _field(
-        0, "every this many epochs, predict the validation box (tiled) and log its science metrics (0: never)"
+        0,
+        "every this many epochs, predict the validation box (tiled) and log its science metrics (0: never)",
+        bound="non-negative",
+        resumable=True,
     )
     science_box_size: int | None = _field(
         None,
         "side of the fixed sub-volume (at the validation box's origin, taken as periodic) that those metrics "
         "cover; null: the whole box",
+        resumable=True,
     )
     # Faults
     nonfinite_loss: Literal["skip", "stop", "ignore"] = _field(
         "skip",
         "a NaN or Inf loss on any rank: skip that batch on every rank, stop the run, or do not check (ignore) "
         "(checking costs one small reduction and one sync per step)",
+        resumable=True,
     )
     max_nonfinite_in_a_row: int = _field(
-        10, "with nonfinite_loss skip: stop after this many non-finite losses in a row"
+        10,
+        "with nonfinite_loss skip: stop after this many non-finite losses in a row",
+        bound="positive",
+        resumable=True,
     )
     data_checks: Literal["startup", "every_batch", "none"] = _field(
         "startup",
         "NaN/Inf in the data: check the volumes at start-up (all of them up to 1 GiB, else sampled crops), "
         "also every batch (one reduction and sync per step), or none",
+        resumable=True,
     )
 
     def validate(self) -> None:
-        positive = [
-            "data_size",
-            "Nsamples",
-            "Nsamples_val",
-            "num_epochs",
-            "global_batch_size",
-            "base_batch_size",
-            "unet_width",
-            "num_data_workers",
-            "log_every_steps",
-            "checkpoint_keep",
-            "max_nonfinite_in_a_row",
-        ]
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.science_every_epochs < 0:
-            raise ConfigError(f"science_every_epochs must not be negative, got {self.science_every_epochs}")
+        for f in dataclasses.fields(self):
+            value, bound = getattr(self, f.name), f.metadata["bound"]
+            if value is None or bound is None:
+                continue
+            if bound == "positive" and value <= 0:
+                raise ConfigError(f"{f.name} must be positive, got {value}")
+            if bound == "non-negative" and value < 0:
+                raise ConfigError(f"{f.name} must not be negative, got {value}")
         if self.science_box_size is not None and self.science_box_size < self.data_size:
             raise ConfigError(f"science_box_size {self.science_box_size} is smaller than data_size {self.data_size}")
-        if self.dist_timeout_s <= 0:
-            raise ConfigError(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
-        if self.data_prefetch < 0:
-            raise ConfigError(f"data_prefetch must not be negative, got {self.data_prefetch}")
         if self.synthetic is not None and self.data_format != "hdf5":
             raise ConfigError("synthetic data is written as HDF5: use data_format hdf5 with a synthetic block")
         if self.synthetic is not None and (problem := self.synthetic.problem()):
             raise ConfigError(f"synthetic: {problem}")
-        if self.micro_batch_size is not None and self.micro_batch_size <= 0:
-            raise ConfigError(f"micro_batch_size must be positive, got {self.micro_batch_size}")
         if self.data_size % 2**self.unet_depth:
             raise ConfigError(f"data_size {self.data_size} must be a multiple of 2^unet_depth = {2**self.unet_depth}")
         if self.Nsamples < self.global_batch_size:
@@ -470,15 +527,7 @@ def parse_value(raw: str) -> Any:
 
 # Keys naming files: ${VAR} and ${VAR:-default} in them are taken from the environment, so that a site's
 # data directory (DATA_DIR in slurm/train.sbatch) needs no edit of the configs.
-PATH_KEYS = (
-    "train_path",
-    "val_path",
-    "train_path_npy_data",
-    "train_path_npy_label",
-    "val_path_npy_data",
-    "val_path_npy_label",
-    "deepspeed_config",
-)
+PATH_KEYS = tuple(f.name for f in dataclasses.fields(Config) if f.metadata["path"])
 _VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 
 
@@ -505,8 +554,8 @@ def build_config(base: dict[str, Any], overrides: dict[str, str]) -> Config:
     for key in PATH_KEYS:
         setattr(cfg, key, expand_path(key, getattr(cfg, key)))
     cfg.validate()
-    data_keys = PATH_KEYS[:2] if cfg.data_format == "hdf5" else PATH_KEYS[2:6]
-    for key in (*data_keys, "deepspeed_config"):
+    kinds = {f.name: f.metadata["path"] for f in dataclasses.fields(Config)}
+    for key in (k for k in PATH_KEYS if kinds[k] in (cfg.data_format, "file")):
         path = Path(getattr(cfg, key))
         if path.is_dir():
             raise ConfigError(f"{key} {path} is a directory, not a file")
@@ -519,35 +568,8 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-# What a resumed run may change without changing what it learns: where data and logs go, how fast
-# the input pipeline runs, how often it logs and checks. Anything else changes the training.
-RESUMABLE = {
-    "description",
-    "train_path",
-    "val_path",
-    "train_path_npy_data",
-    "train_path_npy_label",
-    "val_path_npy_data",
-    "val_path_npy_label",
-    "storage",
-    "device_storage_dtype",
-    "backend",
-    "num_data_workers",
-    "data_prefetch",
-    "log_every_steps",
-    "checkpoint_keep",
-    "cpu_threads",
-    "dist_timeout_s",
-    "nonfinite_loss",
-    "max_nonfinite_in_a_row",
-    "data_checks",
-    "science_every_epochs",
-    "science_box_size",
-    "channels_last",
-    "cudnn_benchmark",
-    "compile",
-    "compile_mode",
-}
+# What a resumed run may change without changing what it learns (the keys marked resumable).
+RESUMABLE = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata["resumable"])
 
 
 def changes_on_resume(saved: dict[str, Any], cfg: Config) -> tuple[dict[str, tuple], dict[str, tuple]]:

@@ -11,10 +11,12 @@ One place reads the three ways a process can be started:
 
 DeepSpeed itself reads only the launcher's variables, which is why ranks started by a plain
 ``srun`` all believed they were rank 0: here they are mapped, and contradictions are errors.
+``init_distributed`` then starts torch.distributed (NCCL on GPUs, gloo on CPUs) and picks this rank's device.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
@@ -22,7 +24,13 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from trainer.engine import jit_built
 from trainer.errors import DistError
+from trainer.provenance import cpu_info
 
 log = logging.getLogger(__name__)
 
@@ -172,3 +180,90 @@ class DistEnv:
             MASTER_ADDR=self.master_addr,
             MASTER_PORT=str(self.master_port),
         )
+
+
+@dataclass(frozen=True)
+class Device:
+    type: str
+    """'cuda' or 'cpu', as DeepSpeed's accelerator names it."""
+    index: int | None
+    """The GPU this rank uses, None on CPU."""
+
+
+def gpu_index(
+    local_rank: int, local_world_size: int, visible_gpus: int, environ: Mapping[str, str], srun_tasks: bool
+) -> int:
+    """The GPU of a rank: its local rank, or 0 where Slurm gives each task a GPU of its own: the ranks are srun's
+    tasks (``srun_tasks``, not processes a launcher started inside one task) and srun ran with --gpus-per-task
+    (SLURM_GPUS_PER_TASK set, CUDA_VISIBLE_DEVICES naming one GPU, a different one per task).
+
+    Two ranks on one GPU (more ranks on a node than the GPUs they see, or several ranks that all see one and
+    the same GPU, as with CUDA_VISIBLE_DEVICES=0 exported to every rank of a torchrun) fail mid-run in NCCL
+    ("Duplicate GPU detected"): a clear error here instead.
+    """
+    if visible_gpus == 1 and local_world_size == 1:
+        return 0
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    one_each = srun_tasks and "SLURM_GPUS_PER_TASK" in environ
+    if visible_gpus == 1 and one_each and visible is not None and len(visible.split(",")) == 1:
+        return 0
+    if local_world_size > visible_gpus:
+        shared = f" (CUDA_VISIBLE_DEVICES={visible} for every rank)" if visible is not None and not one_each else ""
+        raise DistError(
+            f"{local_world_size} ranks on this node but {visible_gpus} GPU(s) visible to each{shared}: run one rank "
+            "per GPU (deepspeed --num_gpus, torchrun --nproc_per_node, srun --ntasks-per-node, or srun "
+            "--gpus-per-task 1, which gives each task a GPU of its own)"
+        )
+    return local_rank
+
+
+def announce_cpu_comm_build() -> None:
+    """On CPUs DeepSpeed compiles its shared-memory communication op the first time a process starts, silently for
+    about 40 s, and caches it; say so before that silence."""
+    built, build = jit_built("deepspeed_shm_comm")  # DeepSpeed's ShareMemCommBuilder.NAME
+    if not built:
+        log.info("building DeepSpeed's CPU communication op, once (about 40 s; cached in %s)", build)
+
+
+def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
+    """Start torch.distributed (NCCL on GPUs, gloo on CPUs) and pick this rank's device.
+
+    ``timeout_s`` bounds how long a collective waits for a rank that is gone (its launcher should
+    end the job first; this is the backstop).
+    """
+    device_type = get_accelerator().device_name()
+    dist.export()
+    index = None
+    if device_type == "cuda":
+        index = gpu_index(
+            dist.local_rank,
+            dist.local_world_size,
+            torch.cuda.device_count(),
+            os.environ,
+            srun_tasks=dist.source == "slurm",
+        )
+        torch.cuda.set_device(index)
+        os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed takes its device from LOCAL_RANK
+    elif dist.is_main:
+        announce_cpu_comm_build()
+    deepspeed.init_distributed(
+        dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    started = {"launcher": "a launcher's variables", "slurm": "srun's variables", "single": "no launcher"}[dist.source]
+    log.info(
+        "rank %d of %d (local rank %d of %d on this node), from %s",
+        dist.rank,
+        dist.world_size,
+        dist.local_rank,
+        dist.local_world_size,
+        started,
+    )
+    return Device(device_type, index)
+
+
+def device_name(device: Device) -> str:
+    """The GPU's name, or the CPU's model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device.index)
+    model = cpu_info().model
+    return f"cpu: {model}" if model else "cpu"

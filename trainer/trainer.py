@@ -6,61 +6,37 @@ plain function for the same reason.
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import functools
 import hashlib
-import json
 import logging
-import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import deepspeed
 import h5py
 import numpy as np
 import psutil
 import torch
 import torch.distributed as torch_dist
-from deepspeed.accelerator import get_accelerator
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from model import UNet, unet_loss
+from model import unet_loss
 from model.metrics import Normalization, compare
 from model.tiling import predict_box
-from pipeline.loaders import (
-    LoaderSettings,
-    batch_buffer_bytes,
-    build_loader,
-    check_memory,
-    dali_installed,
-    effective_storage,
-    resolve_backend,
-)
-from pipeline.sampling import Augmenter, DrawPlan
-from pipeline.synthetic import ensure_boxes
-from pipeline.volumes import DataError, VolumeFiles, VolumePair
+from pipeline.volumes import DataError
+from trainer.build import build_data, build_engine
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import Config
-from trainer.dist import DistEnv
+from trainer.dist import Device, DistEnv, device_name
 from trainer.engine import (
-    TORCH_FUSED_ADAM,
-    jit_built,
-    load_ds_template,
     loss_scale,
-    plan_batches,
     precision_name,
-    resolve_ds_config,
-    skip_single_rank_reduction,
-    train_dtype,
 )
-from trainer.errors import ConfigError, DistError, NumericalError
-from trainer.lr_schedule import ScaledCosineSchedule, peak_lr, warmup_applies
+from trainer.errors import DistError, NumericalError
 from trainer.preemption import StopRequest
 from trainer.rundir import PROFILE, RunDir
 from trainer.runlog import RunLog
@@ -81,143 +57,6 @@ def evaluate(engine: Any, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], l
     engine.train()
     torch_dist.all_reduce(totals)
     return float(totals[0] / totals[1])
-
-
-@dataclass(frozen=True)
-class Device:
-    type: str
-    """'cuda' or 'cpu', as DeepSpeed's accelerator names it."""
-    index: int | None
-    """The GPU this rank uses, None on CPU."""
-
-
-def gpu_index(
-    local_rank: int, local_world_size: int, visible_gpus: int, environ: Mapping[str, str], srun_tasks: bool
-) -> int:
-    """The GPU of a rank: its local rank, or 0 where Slurm gives each task a GPU of its own: the ranks are srun's
-    tasks (``srun_tasks``, not processes a launcher started inside one task) and srun ran with --gpus-per-task
-    (SLURM_GPUS_PER_TASK set, CUDA_VISIBLE_DEVICES naming one GPU, a different one per task).
-
-    Two ranks on one GPU (more ranks on a node than the GPUs they see, or several ranks that all see one and
-    the same GPU, as with CUDA_VISIBLE_DEVICES=0 exported to every rank of a torchrun) fail mid-run in NCCL
-    ("Duplicate GPU detected"): a clear error here instead.
-    """
-    if visible_gpus == 1 and local_world_size == 1:
-        return 0
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    one_each = srun_tasks and "SLURM_GPUS_PER_TASK" in environ
-    if visible_gpus == 1 and one_each and visible is not None and len(visible.split(",")) == 1:
-        return 0
-    if local_world_size > visible_gpus:
-        shared = f" (CUDA_VISIBLE_DEVICES={visible} for every rank)" if visible is not None and not one_each else ""
-        raise DistError(
-            f"{local_world_size} ranks on this node but {visible_gpus} GPU(s) visible to each{shared}: run one rank "
-            "per GPU (deepspeed --num_gpus, torchrun --nproc_per_node, srun --ntasks-per-node, or srun "
-            "--gpus-per-task 1, which gives each task a GPU of its own)"
-        )
-    return local_rank
-
-
-def announce_cpu_comm_build() -> None:
-    """On CPUs DeepSpeed compiles its shared-memory communication op the first time a process starts, silently for
-    about 40 s, and caches it; say so before that silence."""
-    built, build = jit_built("deepspeed_shm_comm")  # DeepSpeed's ShareMemCommBuilder.NAME
-    if not built:
-        log.info("building DeepSpeed's CPU communication op, once (about 40 s; cached in %s)", build)
-
-
-def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
-    """Start torch.distributed (NCCL on GPUs, gloo on CPUs) and pick this rank's device.
-
-    ``timeout_s`` bounds how long a collective waits for a rank that is gone (its launcher should
-    end the job first; this is the backstop).
-    """
-    device_type = get_accelerator().device_name()
-    dist.export()
-    index = None
-    if device_type == "cuda":
-        index = gpu_index(
-            dist.local_rank,
-            dist.local_world_size,
-            torch.cuda.device_count(),
-            os.environ,
-            srun_tasks=dist.source == "slurm",
-        )
-        torch.cuda.set_device(index)
-        os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed takes its device from LOCAL_RANK
-    elif dist.is_main:
-        announce_cpu_comm_build()
-    deepspeed.init_distributed(
-        dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
-    )
-    started = {"launcher": "a launcher's variables", "slurm": "srun's variables", "single": "no launcher"}[dist.source]
-    log.info(
-        "rank %d of %d (local rank %d of %d on this node), from %s",
-        dist.rank,
-        dist.world_size,
-        dist.local_rank,
-        dist.local_world_size,
-        started,
-    )
-    return Device(device_type, index)
-
-
-def unused_data_keys(cfg: Config, storage: str, backend: str, device_type: str) -> list[str]:
-    """Keys set away from their defaults that the effective ``storage`` mode and ``backend`` do not use: the CPU
-    threads cut nothing when the GPU cuts the crops (DALI still prefetches batches there, the torch backend does
-    not), only volumes on the GPU have a dtype of their own, and only DALI's numpy reader on a GPU reads through
-    GPUDirect Storage."""
-    if storage == "device":
-        unused = ["num_data_workers"] + (["data_prefetch"] if backend == "torch" else [])
-    else:
-        unused = ["device_storage_dtype"]
-    if not (storage == "lazy" and cfg.data_format == "npy" and backend == "dali" and device_type == "cuda"):
-        unused.append("gpu_direct_storage")
-    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
-    return [key for key in unused if getattr(cfg, key) != defaults[key]]
-
-
-def prepare_data(cfg: Config, dist: DistEnv) -> None:
-    """Generate the synthetic boxes the config asks for, once per node, before anyone reads them."""
-    if cfg.synthetic is not None and dist.local_rank == 0:
-        for which, path in ensure_boxes(cfg.synthetic, cfg.train_path, cfg.val_path):
-            log.info("generated synthetic %s box %s", which, path)
-    torch_dist.barrier()
-
-
-def volume_files(cfg: Config, split: str) -> VolumeFiles:
-    """Where the config says the ``split`` ('train' or 'val') volumes are."""
-    if cfg.data_format == "hdf5":
-        return VolumeFiles.hdf5(cfg.train_path if split == "train" else cfg.val_path)
-    if split == "train":
-        return VolumeFiles.npy(cfg.train_path_npy_data, cfg.train_path_npy_label, cfg.npy_layout)
-    return VolumeFiles.npy(cfg.val_path_npy_data, cfg.val_path_npy_label, cfg.npy_layout)
-
-
-def validation_share(num_samples: int, batch: int, last_batch: str, rank: int, world_size: int) -> tuple[int, int]:
-    """(first global index, count) of the validation samples that ``rank`` evaluates.
-
-    ``partial``: all samples, spread as evenly as the ranks allow (the last batch may be smaller);
-    ``drop``: only what fills whole batches on every rank.
-    """
-    if last_batch == "drop":
-        count = num_samples // world_size // batch * batch
-        return rank * count, count
-    base, extra = divmod(num_samples, world_size)
-    return rank * base + min(rank, extra), base + (rank < extra)
-
-
-def _device_name(device: Device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device.index)
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return "cpu: " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
 
 
 @dataclass
@@ -253,105 +92,10 @@ class Trainer:
         self.profile = profile
         self.stop_after_epoch = stop_after_epoch
         self.stop = stop
-        self.storage = effective_storage(cfg.storage, device.type)
-        self.backend = resolve_backend(cfg.backend, device.type)
-        if cfg.backend == "auto":
-            log.info("backend: %s (auto, on a %s)", self.backend, "GPU" if device.type == "cuda" else "CPU")
-        if self.backend == "dali" and not dali_installed():
-            raise ConfigError(
-                "backend: dali needs NVIDIA DALI, not installed here (requirements.txt); or set backend: torch"
-            )
-        if device.type == "cpu":
-            torch.set_num_threads(cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // dist.local_world_size))
-            if cfg.cudnn_benchmark:
-                log.warning("cudnn_benchmark has no effect without a GPU")
-        else:
-            torch.backends.cudnn.benchmark = cfg.cudnn_benchmark is not False
-            if cfg.cpu_threads:
-                log.warning("cpu_threads has no effect when training on a GPU")
-        if cfg.science_box_size is not None and not cfg.science_every_epochs:
-            log.warning("science_box_size has no effect without science_every_epochs")
-        for key in unused_data_keys(cfg, self.storage, self.backend, device.type):
-            log.warning("%s has no effect with storage '%s' (backend %s)", key, self.storage, self.backend)
-        # Bad data, and data that cannot fit, are found before the engine is built, not after.
-        self.train_volumes, self.val_volumes = (
-            VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, cfg.data_size)
-            for split in ("train", "val")
-        )
-        val_side = self.val_volumes.nbody.shape[1]
-        if cfg.science_box_size is not None and cfg.science_box_size > val_side:
-            raise ConfigError(f"science_box_size {cfg.science_box_size} is larger than the validation box ({val_side})")
-        if cfg.data_checks != "none":
-            for volumes in (self.train_volumes, self.val_volumes):
-                volumes.check_finite(cfg.data_size, seed=cfg.seed)
-        self.loader_settings = LoaderSettings(
-            self.backend,
-            cfg.storage,
-            cfg.device_storage_dtype,
-            cfg.num_data_workers,
-            cfg.data_prefetch,
-            cfg.channels_last,
-            cfg.gpu_direct_storage,
-        )
-        plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size)
-        channels = cfg.N_in_channels + cfg.N_out_channels
-        buffers = batch_buffer_bytes(
-            self.storage, self.loader_settings, plan.micro_batch, cfg.data_size, channels, cfg.data_format
-        )
-        volumes = [self.train_volumes, self.val_volumes]
-        check_memory(self.storage, volumes, self.loader_settings, dist.local_world_size, buffers)
-
-        self.steps_per_epoch = cfg.Nsamples // cfg.global_batch_size
-        total_steps = cfg.num_epochs * self.steps_per_epoch
-        sched = cfg.lr_schedule
-        if sched.warmup_steps and not warmup_applies(sched.scaling, cfg.global_batch_size, cfg.base_batch_size):
-            log.info("no lr warm-up: it applies only when the lr is scaled up (scaling != none, global > base batch)")
-        self.ds_config = resolve_ds_config(
-            load_ds_template(cfg.deepspeed_config, cfg.deepspeed_overrides),
-            plan,
-            peak_lr(sched.start_lr, sched.scaling, cfg.global_batch_size, cfg.base_batch_size),
-            device.type,
-        )
-
-        torch.manual_seed(cfg.seed)
-        model = UNet(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth)
-        model.init_weights(cfg.weight_init.conv_scale, cfg.weight_init.conv_bias)
-        self.num_parameters = sum(p.numel() for p in model.parameters())
-
-        def make_schedule(optimizer: torch.optim.Optimizer) -> ScaledCosineSchedule:
-            return ScaledCosineSchedule(
-                optimizer,
-                start_lr=sched.start_lr,
-                end_lr=sched.end_lr,
-                warmup_steps=sched.warmup_steps,
-                total_steps=total_steps,
-                scaling=sched.scaling,
-                global_batch=cfg.global_batch_size,
-                base_batch=cfg.base_batch_size,
-            )
-
-        try:
-            self.engine, _, _, self.schedule = deepspeed.initialize(
-                model=model, model_parameters=model.parameters(), config=self.ds_config, lr_scheduler=make_schedule
-            )
-        except (ValueError, TypeError, AssertionError) as err:  # DeepSpeed's own config checks (pydantic's span lines)
-            what = cfg.deepspeed_config + (" with deepspeed_overrides" if cfg.deepspeed_overrides else "")
-            raise ConfigError(f"DeepSpeed rejected {what}: {' '.join(str(err).split())}") from None
-        except RuntimeError as err:  # a JIT build of DeepSpeed's FusedAdam that the probe could not foresee
-            if "fused_adam" not in str(err):
-                raise
-            override = json.dumps({"optimizer": {"params": TORCH_FUSED_ADAM}})
-            raise ConfigError(
-                f"DeepSpeed could not build FusedAdam ({str(err).strip().splitlines()[0]}); "
-                f"--deepspeed_overrides '{override}' trains with torch's fused Adam"
-            ) from None
-        self.schedule.follow(self.engine)  # steps skipped for overflow count: the schedule is at the engine's step
-        skip_single_rank_reduction(self.engine)
-        if cfg.compile:  # torch.compile of the module, through the engine (compiled on the first step)
-            self.engine.compile(compile_kwargs={} if cfg.compile_mode == "default" else {"mode": cfg.compile_mode})
-        elif cfg.compile_mode != "default":
-            log.warning("compile_mode has no effect without compile: true")
-        self.dtype = train_dtype(self.engine)
+        self.data = build_data(cfg, dist, device)
+        built = build_engine(cfg, dist, device)
+        self.engine, self.schedule, self.ds_config = built.engine, built.schedule, built.ds_config
+        self.dtype, self.num_parameters, self.steps_per_epoch = built.dtype, built.parameters, built.steps_per_epoch
 
         # Where training stands: epoch index, micro-batches of it done, and what the summary reports.
         self.epoch, self.batch_in_epoch = 0, 0
@@ -373,53 +117,20 @@ class Trainer:
 
         # One small collective per micro-step, when asked for: non-finite loss, bad batch, stop request.
         self.check_each_step = cfg.nonfinite_loss != "ignore" or cfg.data_checks == "every_batch"
-        self.train_loader, self.val_loader = self._build_loaders()
+        self.train_loader, self.val_loader = self.data.loaders(
+            dist,
+            self.engine.train_micro_batch_size_per_gpu(),
+            self.engine.gradient_accumulation_steps(),
+            self.steps_per_epoch,
+            device,
+            self.dtype,
+            first_epoch=self.epoch,
+            first_batch=self.batch_in_epoch,
+        )
         self.runlog = RunLog(run_dir, enabled=dist.is_main)
         self.first_batch_digest: str | None = None
         self.stopping = False  # set on every rank alike by agree()
         self.profiler: torch.profiler.profile | None = None
-
-    def _build_loaders(self) -> tuple[Any, Any]:
-        cfg, dist = self.cfg, self.dist
-        micro = self.engine.train_micro_batch_size_per_gpu()
-        accumulation = self.engine.gradient_accumulation_steps()
-        augmenter = Augmenter(cfg.N_in_channels, cfg.N_out_channels, cfg.input_vectors, cfg.target_vectors)
-        train_plan = DrawPlan(
-            seed=cfg.seed + dist.rank,
-            num_samples=self.steps_per_epoch * micro * accumulation,
-            batch_size=micro,
-            box_size=self.train_volumes.box_size,
-            crop_size=cfg.data_size,
-            rotate=cfg.rotate,
-        )
-        first, count = validation_share(cfg.Nsamples_val, micro, cfg.last_batch, dist.rank, dist.world_size)
-        if count == 0:
-            raise ConfigError(
-                f"Nsamples_val {cfg.Nsamples_val} leaves rank {dist.rank} no validation samples "
-                f"({dist.world_size} rank(s), batch {micro}, last_batch {cfg.last_batch})"
-            )
-        if cfg.last_batch == "drop" and count * dist.world_size != cfg.Nsamples_val:
-            log.warning("validating on %d of %d samples (last_batch: drop)", count * dist.world_size, cfg.Nsamples_val)
-        val_plan = DrawPlan(
-            seed=cfg.seed,
-            num_samples=count,
-            batch_size=micro,
-            box_size=self.val_volumes.box_size,
-            crop_size=cfg.data_size,
-            rotate=False,
-            validation=True,
-            first_index=first,
-        )
-        device = torch.device(self.device.type, self.device.index)
-        common = dict(
-            augmenter=augmenter, settings=self.loader_settings, storage=self.storage, device=device, dtype=self.dtype
-        )
-        return (
-            build_loader(
-                self.train_volumes, train_plan, first_epoch=self.epoch, first_batch=self.batch_in_epoch, **common
-            ),
-            build_loader(self.val_volumes, val_plan, **common),
-        )
 
     def wait_for_every_rank(self) -> None:
         """Return once every rank has built its trainer (passed its checks); one that failed says why itself."""
@@ -513,7 +224,7 @@ class Trainer:
         as periodic), tiled as ``python -m model.predict`` does, and logs the statistics of model.metrics
         (L1 per channel, power-spectrum ratio and r(k) at low k)."""
         if self.dist.is_main:
-            cfg, volumes = self.cfg, self.val_volumes
+            cfg, volumes = self.cfg, self.data.val
             side = cfg.science_box_size or volumes.nbody.shape[1]
             region = np.s_[:, :side, :side, :side]
             micro = self.engine.train_micro_batch_size_per_gpu()
@@ -576,7 +287,7 @@ class Trainer:
             self.name,
             self.num_parameters,
             precision_name(self.dtype),
-            _device_name(self.device),
+            device_name(self.device),
             self.dist.world_size,
             engine.train_micro_batch_size_per_gpu(),
             engine.gradient_accumulation_steps(),
@@ -638,11 +349,11 @@ class Trainer:
             "micro_batch": engine.train_micro_batch_size_per_gpu(),
             "accumulation": engine.gradient_accumulation_steps(),
             "global_batch": engine.train_batch_size(),
-            "device": _device_name(self.device),
+            "device": device_name(self.device),
             "precision": precision_name(self.dtype),
             "zero_stage": engine.zero_optimization_stage(),
-            "storage": self.storage,
-            "backend": self.backend,
+            "storage": self.data.settings.storage,
+            "backend": self.data.settings.backend,
             "parameters": self.num_parameters,
             **self._rank_digests(),
         }

@@ -1,0 +1,267 @@
+"""Building what a run trains with, from its config, in two steps that the trainer, the benchmarks and the tests
+call alike: ``build_data`` (the storage mode and backend worked out once, the volumes opened and checked, the
+memory they need checked, then the loaders) and ``build_engine`` (the model, the DeepSpeed config with the peak
+learning rate, the schedule, DeepSpeed's engine). Bad data and data that cannot fit are found before the engine
+is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as torch_dist
+
+from model import UNet
+from pipeline.loaders import (
+    LoaderSettings,
+    batch_buffer_bytes,
+    build_loader,
+    check_memory,
+    dali_installed,
+    effective_storage,
+    resolve_backend,
+)
+from pipeline.sampling import Augmenter, DrawPlan
+from pipeline.synthetic import ensure_boxes
+from pipeline.volumes import VolumeFiles, VolumePair
+from trainer.config import Config
+from trainer.dist import Device, DistEnv
+from trainer.engine import (
+    TORCH_FUSED_ADAM,
+    load_ds_template,
+    plan_batches,
+    resolve_ds_config,
+    skip_single_rank_reduction,
+    train_dtype,
+)
+from trainer.errors import ConfigError
+from trainer.lr_schedule import ScaledCosineSchedule, peak_lr, warmup_applies
+
+log = logging.getLogger(__name__)
+
+
+def unused_data_keys(cfg: Config, storage: str, backend: str, device_type: str) -> list[str]:
+    """Keys set away from their defaults that the effective ``storage`` mode, ``backend`` and device do not use
+    (each key's ``unused`` rule, beside its definition in ``trainer.config``)."""
+    return [
+        f.name
+        for f in dataclasses.fields(Config)
+        if f.metadata["unused"] is not None
+        and f.metadata["unused"](cfg, storage, backend, device_type)
+        and getattr(cfg, f.name) != f.default
+    ]
+
+
+def prepare_data(cfg: Config, dist: DistEnv) -> None:
+    """Generate the synthetic boxes the config asks for, once per node, before anyone reads them."""
+    if cfg.synthetic is not None and dist.local_rank == 0:
+        for which, path in ensure_boxes(cfg.synthetic, cfg.train_path, cfg.val_path):
+            log.info("generated synthetic %s box %s", which, path)
+    torch_dist.barrier()
+
+
+def volume_files(cfg: Config, split: str) -> VolumeFiles:
+    """Where the config says the ``split`` ('train' or 'val') volumes are."""
+    if cfg.data_format == "hdf5":
+        return VolumeFiles.hdf5(cfg.train_path if split == "train" else cfg.val_path)
+    if split == "train":
+        return VolumeFiles.npy(cfg.train_path_npy_data, cfg.train_path_npy_label, cfg.npy_layout)
+    return VolumeFiles.npy(cfg.val_path_npy_data, cfg.val_path_npy_label, cfg.npy_layout)
+
+
+def validation_share(num_samples: int, batch: int, last_batch: str, rank: int, world_size: int) -> tuple[int, int]:
+    """(first global index, count) of the validation samples that ``rank`` evaluates.
+
+    ``partial``: all samples, spread as evenly as the ranks allow (the last batch may be smaller);
+    ``drop``: only what fills whole batches on every rank.
+    """
+    if last_batch == "drop":
+        count = num_samples // world_size // batch * batch
+        return rank * count, count
+    base, extra = divmod(num_samples, world_size)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+@dataclass
+class Data:
+    """A run's volumes, opened and checked, and how its loaders keep and cut them."""
+
+    cfg: Config
+    settings: LoaderSettings  # its storage is what this device can do of cfg.storage; its backend, auto resolved
+    train: VolumePair
+    val: VolumePair
+
+    def loaders(
+        self,
+        dist: DistEnv,
+        micro: int,
+        accumulation: int,
+        steps_per_epoch: int,
+        device: Device,
+        dtype: torch.dtype,
+        first_epoch: int = 0,
+        first_batch: int = 0,
+    ) -> tuple[Any, Any]:
+        """The training loader (from ``first_batch`` of ``first_epoch``) and the validation loader of this rank."""
+        cfg = self.cfg
+        augmenter = Augmenter(cfg.N_in_channels, cfg.N_out_channels, cfg.input_vectors, cfg.target_vectors)
+        train_plan = DrawPlan(
+            seed=cfg.seed + dist.rank,
+            num_samples=steps_per_epoch * micro * accumulation,
+            batch_size=micro,
+            box_size=self.train.box_size,
+            crop_size=cfg.data_size,
+            rotate=cfg.rotate,
+        )
+        first, count = validation_share(cfg.Nsamples_val, micro, cfg.last_batch, dist.rank, dist.world_size)
+        if count == 0:
+            raise ConfigError(
+                f"Nsamples_val {cfg.Nsamples_val} leaves rank {dist.rank} no validation samples "
+                f"({dist.world_size} rank(s), batch {micro}, last_batch {cfg.last_batch})"
+            )
+        if cfg.last_batch == "drop" and count * dist.world_size != cfg.Nsamples_val:
+            log.warning("validating on %d of %d samples (last_batch: drop)", count * dist.world_size, cfg.Nsamples_val)
+        val_plan = DrawPlan(
+            seed=cfg.seed,
+            num_samples=count,
+            batch_size=micro,
+            box_size=self.val.box_size,
+            crop_size=cfg.data_size,
+            rotate=False,
+            validation=True,
+            first_index=first,
+        )
+        common = dict(
+            augmenter=augmenter, settings=self.settings, device=torch.device(device.type, device.index), dtype=dtype
+        )
+        train = build_loader(self.train, train_plan, first_epoch=first_epoch, first_batch=first_batch, **common)
+        return train, build_loader(self.val, val_plan, **common)
+
+
+def build_data(cfg: Config, dist: DistEnv, device: Device) -> Data:
+    """The storage mode and backend for this device (said once, with the keys they leave unused), the volumes
+    opened and checked (shapes, channels, NaN or Inf), and the host or GPU memory they need checked."""
+    storage = effective_storage(cfg.storage, device.type)
+    backend = resolve_backend(cfg.backend, device.type)
+    if cfg.backend == "auto":
+        log.info("backend: %s (auto, on a %s)", backend, "GPU" if device.type == "cuda" else "CPU")
+    if backend == "dali" and not dali_installed():
+        raise ConfigError(
+            "backend: dali needs NVIDIA DALI, not installed here (requirements.txt); or set backend: torch"
+        )
+    if cfg.science_box_size is not None and not cfg.science_every_epochs:
+        log.warning("science_box_size has no effect without science_every_epochs")
+    for key in unused_data_keys(cfg, storage, backend, device.type):
+        log.warning("%s has no effect with storage '%s' (backend %s)", key, storage, backend)
+    train, val = (
+        VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, cfg.data_size)
+        for split in ("train", "val")
+    )
+    if cfg.science_box_size is not None and cfg.science_box_size > val.box_size:
+        raise ConfigError(f"science_box_size {cfg.science_box_size} is larger than the validation box ({val.box_size})")
+    if cfg.data_checks != "none":
+        for volumes in (train, val):
+            volumes.check_finite(cfg.data_size, seed=cfg.seed)
+    settings = LoaderSettings(
+        backend,
+        storage,
+        cfg.device_storage_dtype,
+        cfg.num_data_workers,
+        cfg.data_prefetch,
+        cfg.channels_last,
+        cfg.gpu_direct_storage,
+    )
+    micro = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size).micro_batch
+    channels = cfg.N_in_channels + cfg.N_out_channels
+    buffers = batch_buffer_bytes(settings, micro, cfg.data_size, channels, cfg.data_format)
+    check_memory([train, val], settings, dist.local_world_size, buffers)
+    return Data(cfg, settings, train, val)
+
+
+def engine_config(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
+    """The DeepSpeed config of a run: the JSON with its overrides, the batch split over ``world_size`` ranks, and
+    the peak learning rate (``lr_schedule.start_lr`` scaled to the global batch), computed here and nowhere else."""
+    sched = cfg.lr_schedule
+    return resolve_ds_config(
+        load_ds_template(cfg.deepspeed_config, cfg.deepspeed_overrides),
+        plan_batches(cfg.global_batch_size, cfg.micro_batch_size, world_size),
+        peak_lr(sched.start_lr, sched.scaling, cfg.global_batch_size, cfg.base_batch_size),
+        device_type,
+    )
+
+
+@dataclass
+class Engine:
+    """DeepSpeed's engine and what was decided with it."""
+
+    engine: Any
+    schedule: ScaledCosineSchedule
+    ds_config: dict[str, Any]
+    dtype: torch.dtype  # of the batches the engine trains on
+    parameters: int
+    steps_per_epoch: int
+
+
+def build_engine(cfg: Config, dist: DistEnv, device: Device) -> Engine:
+    """The model (seeded, initialized as the reference does), DeepSpeed's engine over it with our schedule, the
+    single-rank reduction skipped, compiled if asked; and the process's threads and cuDNN set for the device."""
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // dist.local_world_size))
+        if cfg.cudnn_benchmark:
+            log.warning("cudnn_benchmark has no effect without a GPU")
+    else:
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark is not False
+        if cfg.cpu_threads:
+            log.warning("cpu_threads has no effect when training on a GPU")
+    steps_per_epoch = cfg.Nsamples // cfg.global_batch_size
+    sched = cfg.lr_schedule
+    if sched.warmup_steps and not warmup_applies(sched.scaling, cfg.global_batch_size, cfg.base_batch_size):
+        log.info("no lr warm-up: it applies only when the lr is scaled up (scaling != none, global > base batch)")
+    ds_config = engine_config(cfg, dist.world_size, device.type)
+
+    torch.manual_seed(cfg.seed)
+    model = UNet(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth)
+    model.init_weights(cfg.weight_init.conv_scale, cfg.weight_init.conv_bias)
+
+    def make_schedule(optimizer: torch.optim.Optimizer) -> ScaledCosineSchedule:
+        return ScaledCosineSchedule(
+            optimizer,
+            start_lr=sched.start_lr,
+            end_lr=sched.end_lr,
+            warmup_steps=sched.warmup_steps,
+            total_steps=cfg.num_epochs * steps_per_epoch,
+            scaling=sched.scaling,
+            global_batch=cfg.global_batch_size,
+            base_batch=cfg.base_batch_size,
+        )
+
+    try:
+        engine, _, _, schedule = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=ds_config, lr_scheduler=make_schedule
+        )
+    except (ValueError, TypeError, AssertionError) as err:  # DeepSpeed's own config checks (pydantic's span lines)
+        what = cfg.deepspeed_config + (" with deepspeed_overrides" if cfg.deepspeed_overrides else "")
+        raise ConfigError(f"DeepSpeed rejected {what}: {' '.join(str(err).split())}") from None
+    except RuntimeError as err:  # a JIT build of DeepSpeed's FusedAdam that the probe could not foresee
+        if "fused_adam" not in str(err):
+            raise
+        override = json.dumps({"optimizer": {"params": TORCH_FUSED_ADAM}})
+        raise ConfigError(
+            f"DeepSpeed could not build FusedAdam ({str(err).strip().splitlines()[0]}); "
+            f"--deepspeed_overrides '{override}' trains with torch's fused Adam"
+        ) from None
+    schedule.follow(engine)  # steps skipped for overflow count: the schedule is at the engine's step
+    skip_single_rank_reduction(engine)
+    if cfg.compile:  # torch.compile of the module, through the engine (compiled on the first step)
+        engine.compile(compile_kwargs={} if cfg.compile_mode == "default" else {"mode": cfg.compile_mode})
+    elif cfg.compile_mode != "default":
+        log.warning("compile_mode has no effect without compile: true")
+    parameters = sum(p.numel() for p in model.parameters())
+    return Engine(engine, schedule, ds_config, train_dtype(engine), parameters, steps_per_epoch)
