@@ -18,15 +18,12 @@ CPU; samples/s is global samples over wall time. Rank 0 appends one record per m
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,14 +34,12 @@ from bench.env import REPO, append_records, environment
 from bench.flops import model_flops, utilization
 from model import UNet, unet_loss
 from pipeline.cli import output_file
-from trainer.build import prepare_data
+from trainer.build import Data, Engine, build_data, build_engine, prepare_data
 from trainer.config import Config, build_config, config_parser, load_named, parse_config_options
-from trainer.dist import DistEnv, init_distributed
+from trainer.dist import Device, DistEnv, init_distributed
 from trainer.engine import precision_name
 from trainer.errors import USER_ERRORS
-from trainer.rundir import RunDir
-from trainer.step import micro_step
-from trainer.trainer import Trainer
+from trainer.step import StepGuard, micro_step
 
 RESULTS = REPO / "bench" / "results" / "train.jsonl"
 MODES = ("io", "synthetic", "full", "plain")
@@ -114,20 +109,27 @@ def timed(step: Callable[[Marks], float], warmup: int, steps: int, cuda: bool) -
 
 
 class Case:
-    """One process's benchmark: a trainer built from the config, and the four ways to step it."""
+    """One process's benchmark: the run's data and engine, built as the trainer builds them, and the four ways to
+    step them."""
 
-    def __init__(self, trainer: Trainer, cuda: bool) -> None:
-        self.trainer, self.cuda = trainer, cuda
-        engine = trainer.engine
+    def __init__(self, cfg: Config, dist: DistEnv, device: Device, data: Data, built: Engine) -> None:
+        self.cfg, self.dist, self.device, self.built = cfg, dist, device, built
+        self.cuda = device.type == "cuda"
+        self.engine = engine = built.engine
         self.accumulation = engine.gradient_accumulation_steps()
         self.micro = engine.train_micro_batch_size_per_gpu()
-        cfg = trainer.cfg
-        generator = torch.Generator(device=engine.device).manual_seed(cfg.seed + trainer.dist.rank)
+        self.guard = StepGuard(
+            cfg, engine.device, stop=None
+        )  # the trainer's agreement on each step, where it makes one
+        self.train_loader, self.val_loader = data.loaders(
+            dist, self.micro, self.accumulation, built.steps_per_epoch, device, built.dtype
+        )
+        generator = torch.Generator(device=engine.device).manual_seed(cfg.seed + dist.rank)
         shape = (self.micro, cfg.data_size, cfg.data_size, cfg.data_size)
         layout = torch.channels_last_3d if cfg.channels_last else torch.contiguous_format  # as the pipeline lays it out
         self.batch = (
             torch.randn(shape[:1] + (cfg.N_in_channels,) + shape[1:], generator=generator, device=engine.device)
-            .to(trainer.dtype)
+            .to(built.dtype)
             .contiguous(memory_format=layout),
             torch.randn(shape[:1] + (cfg.N_out_channels,) + shape[1:], generator=generator, device=engine.device)
             .tanh()
@@ -140,7 +142,7 @@ class Case:
         start = time.perf_counter()
         while True:
             if self._batches is None:
-                self._batches = iter(self.trainer.train_loader)
+                self._batches = iter(self.train_loader)
             try:
                 return next(self._batches), time.perf_counter() - start
             except StopIteration:
@@ -156,7 +158,7 @@ class Case:
         return wait
 
     def engine_step(self, marks: Marks, synthetic: bool) -> float:
-        engine, wait = self.trainer.engine, 0.0
+        engine, wait = self.engine, 0.0
         for _ in range(self.accumulation):
             if synthetic:
                 inp, tar = self.batch
@@ -165,24 +167,23 @@ class Case:
                 wait += waited
             if marks.steps:
                 marks.mark("start")
-            # The training loop's step, with the trainer's agreement on each step where it makes one (one reduction,
-            # one host sync); marks at the end of each phase while timing.
-            check = self.trainer.check_each_step
-            proceed = functools.partial(self.trainer.check_step, inp=inp, tar=tar) if check else None
-            micro_step(engine, inp, tar, self.trainer.cfg.lambda_rho, proceed, marks.mark if marks.steps else None)
+            # The training loop's step and checks (one reduction and host sync where the config asks for them);
+            # marks at the end of each phase while timing.
+            proceed = self.guard.proceed(inp, tar, lambda: f"step {engine.global_steps}")
+            micro_step(engine, inp, tar, self.cfg.lambda_rho, proceed, marks.mark if marks.steps else None)
         return wait
 
     def plain(self) -> Callable[[Marks], float]:
         """The same model and batch stepped by plain PyTorch: torch.optim.Adam, DDP across ranks, autocast."""
-        cfg, trainer = self.trainer.cfg, self.trainer
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        model = UNet(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth).to(trainer.engine.device)
+        model = UNet(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth).to(self.engine.device)
         model.init_weights(cfg.weight_init.conv_scale, cfg.weight_init.conv_bias)
-        if trainer.dist.world_size > 1:
+        if self.dist.world_size > 1:
             model = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[trainer.device.index] if self.cuda else None
+                model, device_ids=[self.device.index] if self.cuda else None
             )
-        params = trainer.ds_config["optimizer"]["params"]
+        params = self.built.ds_config["optimizer"]["params"]
         optimizer = torch.optim.Adam(
             model.parameters(),
             lr=params["lr"],
@@ -190,8 +191,8 @@ class Case:
             eps=params.get("eps", 1e-8),
             weight_decay=params.get("weight_decay", 0.0),
         )
-        dtype = trainer.dtype
-        device_type = trainer.engine.device.type
+        dtype = self.built.dtype
+        device_type = self.engine.device.type
         scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
         inp, tar = self.batch[0].float(), self.batch[1]
 
@@ -240,7 +241,7 @@ class Case:
     def _summarize(self, runs: list[dict[str, Any]], steps: int, device_peak_gib: float) -> dict[str, Any]:
         all_marks: list[Marks] = [run["marks"] for run in runs]
         step_ms = [ms for marks in all_marks for ms in marks.step_ms()]
-        rates = [steps * self.trainer.engine.train_batch_size() / run["wall_s"] for run in runs]
+        rates = [steps * self.engine.train_batch_size() / run["wall_s"] for run in runs]
         record: dict[str, Any] = {
             "rounds": len(runs),
             "wall_s": sum(run["wall_s"] for run in runs),
@@ -308,15 +309,16 @@ def measure(argv: list[str] | None) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     device = init_distributed(dist, cfg.dist_timeout_s)
     prepare_data(cfg, dist)
-    with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
-        trainer = Trainer(cfg, args.config, dist, device, RunDir(Path(scratch), dist, set_aside=False), resume=False)
-        case = Case(trainer, cuda=device.type == "cuda")
+    data = build_data(cfg, dist, device)
+    built = build_engine(cfg, dist, device)
+    case = Case(cfg, dist, device, data, built)
+    try:
         flops = model_flops(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth, cfg.data_size)
         env = environment()
-        engine = trainer.engine
+        engine = built.engine
         # MFU is over every device the job uses: each GPU, or each node's CPU (shared by its ranks).
         devices = dist.world_size if device.type == "cuda" else dist.world_size // dist.local_world_size
-        precision = precision_name(trainer.dtype)
+        precision = precision_name(built.dtype)
         for mode, result in case.runs(args.modes, args.warmup, args.steps, args.rounds).items():
             record = {
                 "bench": "train",
@@ -335,9 +337,9 @@ def measure(argv: list[str] | None) -> None:
                 "crop": cfg.data_size,
                 "unet_width": cfg.unet_width,
                 "unet_depth": cfg.unet_depth,
-                "parameters": trainer.num_parameters,
-                "storage": trainer.data.settings.storage,
-                "backend": trainer.data.settings.backend,
+                "parameters": built.parameters,
+                "storage": data.settings.storage,
+                "backend": data.settings.backend,
                 "threads_per_rank": torch.get_num_threads(),
                 "fast_paths": {
                     "channels_last": cfg.channels_last,
@@ -347,7 +349,7 @@ def measure(argv: list[str] | None) -> None:
                     "nonfinite_loss": cfg.nonfinite_loss,
                 },
                 "zero_stage": engine.zero_optimization_stage(),
-                "zero": trainer.ds_config.get("zero_optimization", {}),
+                "zero": built.ds_config.get("zero_optimization", {}),
                 "optimizer": "Adam" if mode == "plain" else type(engine.basic_optimizer).__name__,  # plain: torch's
                 "warmup_steps": args.warmup,
                 "timed_steps": args.steps,
@@ -370,6 +372,9 @@ def measure(argv: list[str] | None) -> None:
                     record["step_ms_p50"],
                 )
         torch_dist.barrier()
+    finally:
+        for loader in (case.train_loader, case.val_loader):
+            loader.close()
 
 
 if __name__ == "__main__":

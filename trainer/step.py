@@ -1,4 +1,5 @@
-"""One training micro-step, the only one: the training loop, the benchmark's timed steps and the GPU tests run it.
+"""One training micro-step, the only one: the training loop, the benchmark's timed steps and the GPU tests run it;
+and ``StepGuard``, through which the ranks agree between steps on what to do next.
 
 Each phase is a named range: ``torch.profiler`` records it (``--profile``), and on a GPU it is also an NVTX range,
 so that ``nsys profile`` shows data wait, forward, backward and optimizer step on its timeline.
@@ -7,12 +8,20 @@ so that ``nsys profile`` shows data wait, forward, backward and optimizer step o
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
 
 from model import unet_loss
+from pipeline.volumes import DataError
+from trainer.config import Config
+from trainer.errors import NumericalError
+from trainer.preemption import StopRequest
+
+log = logging.getLogger(__name__)
 
 # Names of the ranges, in the order a step passes them.
 PHASES = ("data_wait", "forward", "backward", "optimizer_step")
@@ -61,3 +70,59 @@ def micro_step(
     if mark is not None:
         mark("optimizer")
     return loss.detach()
+
+
+class StepGuard:
+    """What the ranks agree on: a non-finite loss or batch on any rank (checked at every micro-step where the config
+    asks: ``every_step``), and a stop request (SIGTERM, SIGUSR1) on any rank, which travels with every agreement and
+    makes ``stopping`` true on every rank alike. Each agreement is one small reduction, so one host sync."""
+
+    def __init__(self, cfg: Config, device: torch.device, stop: StopRequest | None, nonfinite_losses: int = 0) -> None:
+        self.cfg, self.device, self.stop = cfg, device, stop
+        self.every_step = cfg.nonfinite_loss != "ignore" or cfg.data_checks == "every_batch"
+        self.stopping = False
+        self.nonfinite_losses, self.nonfinite_in_a_row = nonfinite_losses, 0
+
+    def agree(self, *flags: torch.Tensor) -> list[bool]:
+        """``flags`` (0-d tensors, nonzero for true) ORed over the ranks, this rank's stop request with them."""
+        requested = float(self.stop is not None and self.stop.requested)
+        local = torch.stack([*(f.float() for f in flags), torch.tensor(requested, device=self.device)])
+        torch_dist.all_reduce(local, op=torch_dist.ReduceOp.MAX)
+        *agreed, stop = (bool(v) for v in local.tolist())
+        self.stopping = self.stopping or stop
+        return agreed
+
+    def proceed(self, inp: torch.Tensor, tar: torch.Tensor, where: Callable[[], str]) -> Callable | None:
+        """``micro_step``'s ``proceed`` for this batch, or None where nothing is checked at every micro-step: a
+        non-finite batch anywhere stops the run (data_checks: every_batch); a non-finite loss anywhere skips the
+        micro-step on every rank, or stops the run (``nonfinite_loss``). ``where()`` names the step in messages."""
+        if not self.every_step:
+            return None
+
+        def check(loss: torch.Tensor) -> bool:
+            bad_batch = torch.zeros((), device=loss.device)
+            if self.cfg.data_checks == "every_batch":
+                bad_batch = ~(torch.isfinite(inp).all() & torch.isfinite(tar).all())
+            nonfinite, bad = self.agree(~torch.isfinite(loss.detach()), bad_batch)
+            if bad:
+                raise DataError(f"a training batch holds NaN or Inf values ({where()}); data_checks: every_batch")
+            if nonfinite and self.cfg.nonfinite_loss != "ignore":
+                self._nonfinite(where())
+                return False
+            self.nonfinite_in_a_row = 0
+            return True
+
+        return check
+
+    def _nonfinite(self, where: str) -> None:
+        """A NaN or Inf loss on some rank: every rank skips this micro-batch, or the run stops."""
+        self.nonfinite_losses += 1
+        self.nonfinite_in_a_row += 1
+        if self.cfg.nonfinite_loss == "stop":
+            raise NumericalError(f"non-finite loss at {where} (nonfinite_loss: stop)")
+        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_in_a_row:
+            raise NumericalError(
+                f"{self.nonfinite_in_a_row} non-finite losses in a row, the last at {where}: stopping "
+                f"(max_nonfinite_in_a_row {self.cfg.max_nonfinite_in_a_row})"
+            )
+        log.warning("non-finite loss at %s: batch skipped (%d so far)", where, self.nonfinite_losses)

@@ -6,7 +6,6 @@ plain function for the same reason.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import statistics
@@ -27,7 +26,6 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from model import unet_loss
 from model.metrics import Normalization, compare
 from model.tiling import predict_box
-from pipeline.volumes import DataError
 from trainer.build import build_data, build_engine
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import Config
@@ -36,11 +34,11 @@ from trainer.engine import (
     loss_scale,
     precision_name,
 )
-from trainer.errors import DistError, NumericalError
+from trainer.errors import DistError
 from trainer.preemption import StopRequest
 from trainer.rundir import PROFILE, RunDir
 from trainer.runlog import RunLog
-from trainer.step import micro_step, phase
+from trainer.step import StepGuard, micro_step, phase
 
 log = logging.getLogger(__name__)
 PROFILE_STEPS = 3  # micro-steps a --profile trace records, after one skipped and one of warm-up
@@ -100,13 +98,13 @@ class Trainer:
         # Where training stands: epoch index, micro-batches of it done, and what the summary reports.
         self.epoch, self.batch_in_epoch = 0, 0
         self.initial_val_loss: float | None = None
-        self.nonfinite_losses, self.nonfinite_in_a_row = 0, 0
+        nonfinite_losses = 0
         self.resumed_at: tuple[int, int] | None = None
         if resume:
             state = load_checkpoint(self.engine, run_dir)
             self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
             self.initial_val_loss = float(state["initial_val_loss"])
-            self.nonfinite_losses = int(state.get("nonfinite_losses", 0))
+            nonfinite_losses = int(state.get("nonfinite_losses", 0))
             self.resumed_at = (self.epoch, self.batch_in_epoch)
             log.info(
                 "resumed at step %d: epoch %d, %d batch(es) into it",
@@ -116,7 +114,7 @@ class Trainer:
             )
 
         # One small collective per micro-step, when asked for: non-finite loss, bad batch, stop request.
-        self.check_each_step = cfg.nonfinite_loss != "ignore" or cfg.data_checks == "every_batch"
+        self.guard = StepGuard(cfg, self.engine.device, stop, nonfinite_losses)
         self.train_loader, self.val_loader = self.data.loaders(
             dist,
             self.engine.train_micro_batch_size_per_gpu(),
@@ -129,7 +127,6 @@ class Trainer:
         )
         self.runlog = RunLog(run_dir, enabled=dist.is_main)
         self.first_batch_digest: str | None = None
-        self.stopping = False  # set on every rank alike by agree()
         self.profiler: torch.profiler.profile | None = None
 
     def wait_for_every_rank(self) -> None:
@@ -164,56 +161,16 @@ class Trainer:
             self.profiler.stop()
             self.profiler = None
 
-    def agree(self, *flags: torch.Tensor) -> list[bool]:
-        """``flags`` (0-d tensors, nonzero for true) ORed over the ranks, in one small reduction (one sync); this
-        rank's stop request (SIGTERM, SIGUSR1) travels with them, and ``stopping`` becomes true on every rank when
-        any rank was asked to stop. The only place where ranks agree on what to do next."""
-        requested = float(self.stop is not None and self.stop.requested)
-        local = torch.stack([*(f.float() for f in flags), torch.tensor(requested, device=self.engine.device)])
-        torch_dist.all_reduce(local, op=torch_dist.ReduceOp.MAX)
-        *agreed, stop = (bool(v) for v in local.tolist())
-        self.stopping = self.stopping or stop
-        return agreed
-
-    def check_step(self, loss: torch.Tensor, inp: torch.Tensor, tar: torch.Tensor) -> bool:
-        """Whether every rank goes on with this micro-step (``micro_step``'s ``proceed``): a non-finite batch
-        anywhere stops the run (data_checks: every_batch); a non-finite loss anywhere skips the micro-step on every
-        rank, or stops the run (``nonfinite_loss``)."""
-        bad_batch = torch.zeros((), device=loss.device)
-        if self.cfg.data_checks == "every_batch":
-            bad_batch = ~(torch.isfinite(inp).all() & torch.isfinite(tar).all())
-        nonfinite, bad = self.agree(~torch.isfinite(loss.detach()), bad_batch)
-        if bad:
-            raise DataError(
-                f"a training batch holds NaN or Inf values (epoch {self.epoch + 1}, "
-                f"batch {self.batch_in_epoch}); data_checks: every_batch"
-            )
-        if nonfinite and self.cfg.nonfinite_loss != "ignore":
-            self._on_nonfinite_loss(self.epoch)
-            return False
-        self.nonfinite_in_a_row = 0
-        return True
-
-    def _on_nonfinite_loss(self, epoch: int) -> None:
-        """A NaN or Inf loss on some rank: every rank skips this micro-batch, or the run stops."""
-        self.nonfinite_losses += 1
-        self.nonfinite_in_a_row += 1
-        where = f"epoch {epoch + 1}, batch {self.batch_in_epoch}, after step {self.engine.global_steps}"
-        if self.cfg.nonfinite_loss == "stop":
-            raise NumericalError(f"non-finite loss at {where} (nonfinite_loss: stop)")
-        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_in_a_row:
-            raise NumericalError(
-                f"{self.nonfinite_in_a_row} non-finite losses in a row, the last at {where}: stopping "
-                f"(max_nonfinite_in_a_row {self.cfg.max_nonfinite_in_a_row})"
-            )
-        log.warning("non-finite loss at %s: batch skipped (%d so far)", where, self.nonfinite_losses)
+    def _where(self) -> str:
+        """The micro-step being taken, for messages."""
+        return f"epoch {self.epoch + 1}, batch {self.batch_in_epoch}, after step {self.engine.global_steps}"
 
     def _save(self) -> None:
         state = {
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "initial_val_loss": self.initial_val_loss,
-            "nonfinite_losses": self.nonfinite_losses,
+            "nonfinite_losses": self.guard.nonfinite_losses,
             "config_name": self.name,
         }
         tag = save_checkpoint(self.engine, self.run_dir, state, self.cfg.checkpoint_keep)
@@ -317,8 +274,8 @@ class Trainer:
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                 self._save()
                 if self.epoch < last_epoch:
-                    self.agree()
-                stopped = self.stopping
+                    self.guard.agree()
+                stopped = self.guard.stopping
         if stopped:
             log.warning(
                 "stopped on request (%s) at step %d after a checkpoint: continue with --resume",
@@ -340,7 +297,7 @@ class Trainer:
             else {"epoch": self.resumed_at[0], "batch_in_epoch": self.resumed_at[1]},
             "steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps,
-            "nonfinite_losses": self.nonfinite_losses,
+            "nonfinite_losses": self.guard.nonfinite_losses,
             "wall_s": round(time.perf_counter() - wall_start, 3),
             "samples_per_s": statistics.median(m["throughput/samples_per_s"] for m in measured) if measured else None,
             "data_wait_pct": statistics.median(m["data_wait_pct"] for m in measured) if measured else None,
@@ -390,8 +347,7 @@ class Trainer:
             if self.first_batch_digest is None:  # once per run: which crops this rank drew
                 self.first_batch_digest = hashlib.sha256(inp.float().cpu().numpy().tobytes()).hexdigest()
             step_before = engine.global_steps
-            proceed = functools.partial(self.check_step, inp=inp, tar=tar) if self.check_each_step else None
-            loss = micro_step(engine, inp, tar, cfg.lambda_rho, proceed)
+            loss = micro_step(engine, inp, tar, cfg.lambda_rho, self.guard.proceed(inp, tar, self._where))
             if self.profiler is not None:
                 self.profiler.step()
             if loss is None:
@@ -404,7 +360,7 @@ class Trainer:
             if engine.global_steps % cfg.log_every_steps == 0:
                 intervals.append(self._log_interval(interval, bar))
                 interval = Interval(time.perf_counter())
-            if self.stopping:  # at an optimizer-step boundary, agreed by every rank
+            if self.guard.stopping:  # at an optimizer-step boundary, agreed by every rank
                 bar.close()
                 self._save()
                 return True
@@ -416,7 +372,7 @@ class Trainer:
     def _log_interval(self, interval: Interval, bar: tqdm) -> dict[str, float]:
         engine = self.engine
         loss, per_rank = self._gather_losses(interval)  # synchronizes the device: the rate below is honest
-        self.agree()  # a stop requested on any rank is seen by every rank at the same log point
+        self.guard.agree()  # a stop requested on any rank is seen by every rank at the same log point
         elapsed = time.perf_counter() - interval.start
         rate = interval.steps * self.cfg.global_batch_size / elapsed
         lr = self.schedule.lr_at(self.schedule.steps_taken)  # what the last step used
@@ -427,7 +383,7 @@ class Trainer:
             "data_wait_pct": 100 * interval.data_wait_s / elapsed,
             "loss_scale": loss_scale(engine),
             "skipped_steps": engine.skipped_steps,
-            "nonfinite_losses": self.nonfinite_losses,
+            "nonfinite_losses": self.guard.nonfinite_losses,
             "memory/host_rss_mib": psutil.Process().memory_info().rss / 2**20,
             "memory/device_peak_gib": (
                 torch.cuda.max_memory_allocated(self.device.index) / 2**30 if self.device.type == "cuda" else None
