@@ -315,6 +315,8 @@ def measure(argv: list[str] | None) -> None:
     try:
         flops = model_flops(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth, cfg.data_size)
         env = environment()
+        hosts: list[Any] = [None] * dist.world_size
+        torch_dist.all_gather_object(hosts, env["host"])  # where the ranks ran: one node, or several
         engine = built.engine
         # MFU is over every device the job uses: each GPU, or each node's CPU (shared by its ranks).
         devices = dist.world_size if device.type == "cuda" else dist.world_size // dist.local_world_size
@@ -330,6 +332,7 @@ def measure(argv: list[str] | None) -> None:
                 "engine": "plain" if mode == "plain" else "deepspeed",
                 "config": args.config,
                 "world_size": dist.world_size,
+                "nodes": sorted(set(hosts)),
                 "micro_batch": case.micro,
                 "accumulation": case.accumulation,
                 "global_batch": engine.train_batch_size(),

@@ -1,6 +1,7 @@
 """Several ranks for real: the deepspeed launcher on CPU, and slurm/train.sbatch on a local Slurm cluster."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -129,27 +130,34 @@ def test_a_dead_rank_ends_the_job_promptly(tmp_path):
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     """Starts a one-node Slurm cluster (tests/slurm/cluster.sh), or skips saying why it cannot."""
-    state = tmp_path_factory.mktemp("slurm")
+    yield from slurm_cluster(tmp_path_factory.mktemp("slurm"), nodes=1)
+
+
+def slurm_cluster(state, nodes, ports=(16817, 16818)):
+    """A Slurm cluster of ``nodes`` nodes on this machine for the tests that use it (its SLURM_CONF in the
+    environment they get), stopped after them; the tests are skipped, saying why, where it cannot start."""
     script = REPO / "tests" / "slurm" / "cluster.sh"
-    started = subprocess.run(["bash", str(script), "start", str(state)], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "SLURMCTLD_PORT": str(ports[0]), "SLURMD_PORT": str(ports[1])}
+    started = subprocess.run(
+        ["bash", str(script), "start", str(state), str(nodes)], env=env, capture_output=True, text=True, timeout=60
+    )
     if started.returncode != 0:
         subprocess.run(["bash", str(script), "stop", str(state)], capture_output=True)
-        pytest.skip(f"no local Slurm cluster: {started.stderr.strip() or started.stdout.strip()}")
-    env = {**single_process_env(), "SLURM_CONF": str(state / "slurm.conf")}
-    yield env
+        pytest.skip(f"no local {nodes}-node Slurm cluster: {started.stderr.strip() or started.stdout.strip()}")
+    yield {**single_process_env(), "SLURM_CONF": str(state / "slurm.conf")}
     subprocess.run(["bash", str(script), "stop", str(state)], capture_output=True, timeout=60)
 
 
-def _sbatch(env, tmp_path, extra_env, *args):
+def _sbatch(env, tmp_path, extra_env, *args, nodes=1, tasks_per_node=2):
     env = {**env, "RUNS_DIR": str(tmp_path / "runs"), "PYTHON": sys.executable, **extra_env}
     out = subprocess.run(
         [
             "sbatch",
             "--parsable",
             "-N",
-            "1",
+            str(nodes),
             "--ntasks-per-node",
-            "2",
+            str(tasks_per_node),
             "-o",
             str(tmp_path / "job-%j.out"),
             "slurm/train.sbatch",
@@ -171,10 +179,11 @@ def _job_args(tmp_path, epochs):
     return args[:i] + args[i + 2 :]
 
 
-def _wait_for_training(runs_dir, timeout=120):
+def _wait_for_training(runs_dir, timeout=120, job="*"):
+    """Until a run (job ``job``'s) under ``runs_dir`` has logged a training loss."""
     deadline = time.time() + timeout
     while True:
-        metrics = list(runs_dir.glob("*/metrics.jsonl")) if runs_dir.exists() else []
+        metrics = list(runs_dir.glob(f"cosmo-emulator-{job}/metrics.jsonl")) if runs_dir.exists() else []
         if metrics and "loss/train" in metrics[0].read_text():
             return
         assert time.time() < deadline, "training did not start"
@@ -207,22 +216,28 @@ def test_sbatch_trains_with_two_tasks(slurm, tmp_path, launcher, launched_by):
     assert summary["final_val_loss"] < summary["initial_val_loss"]
 
 
-def test_sbatch_job_fails_when_a_task_dies(slurm, tmp_path):
-    job = _sbatch(slurm, tmp_path, {"LAUNCHER": "srun"}, *_job_args(tmp_path, 200))
-    _wait_for_training(tmp_path / "runs")
+def _kill_rank_and_wait(env, job, **where):
+    """SIGKILL the one rank of ``job`` whose Slurm variables match ``where`` (no chance to clean up, as when its node
+    dies); the job's end state, exit code and the seconds it took to end."""
     victims = [
         p
         for p in psutil.process_iter(["environ"])
         if (p.info["environ"] or {}).get("SLURM_JOB_ID") == job
-        and (p.info["environ"] or {}).get("SLURM_PROCID") == "1"
+        and all((p.info["environ"] or {}).get(key) == value for key, value in where.items())
         and "ds_train.py" in " ".join(p.cmdline())
     ]
-    assert victims, "rank 1 not found"
+    assert len(victims) == 1, f"no single rank of job {job} with {where}"
     victims[0].kill()
     killed = time.time()
-    state, exit_code = _wait(slurm, job, timeout=90)
-    assert state == "FAILED" and exit_code != "0:0"
-    assert time.time() - killed < 90
+    state, exit_code = _wait(env, job, timeout=90)
+    return state, exit_code, time.time() - killed
+
+
+def test_sbatch_job_fails_when_a_task_dies(slurm, tmp_path):
+    job = _sbatch(slurm, tmp_path, {"LAUNCHER": "srun"}, *_job_args(tmp_path, 200))
+    _wait_for_training(tmp_path / "runs")
+    state, exit_code, took = _kill_rank_and_wait(slurm, job, SLURM_PROCID="1")
+    assert state == "FAILED" and exit_code != "0:0" and took < 90
 
 
 def test_hostfile_from_the_allocation(slurm, tmp_path):
@@ -241,16 +256,20 @@ def test_hostfile_from_the_allocation(slurm, tmp_path):
     assert (tmp_path / "h.out").read_text().splitlines() == ["localhost slots=3", "localhost slots=2"]
 
 
-def test_sbatch_stops_on_the_time_limit_signal_and_requeues_itself(slurm, tmp_path):
-    # What `--signal=B:USR1@300` does before the time limit, sent now: the batch shell gets SIGUSR1.
-    job = _sbatch(slurm, tmp_path, {"LAUNCHER": "srun"}, *_job_args(tmp_path, 4))
-    _wait_for_training(tmp_path / "runs")
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
+def _stop_on_the_time_limit_signal(env, tmp_path, job):
+    """What `--signal=B:USR1@300` does before the time limit, sent now (the batch shell gets SIGUSR1); once the job
+    has requeued itself and finished, its summary."""
+    _wait_for_training(tmp_path / "runs", job=job)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True)
     time.sleep(2)  # let the requeue happen before polling for the end
-    state, exit_code = _wait(slurm, job, timeout=180)
+    state, exit_code = _wait(env, job, timeout=180)
     log = (tmp_path / f"job-{job}.out").read_text()
     assert (state, exit_code) == ("COMPLETED", "0:0"), log[-3000:]
     assert "requeueing job" in log and "(restart 1)" in log and "--resume" in log
-    (run,) = (tmp_path / "runs").glob(f"cosmo-emulator-{job}")
-    summary = _summary(run)
+    return _summary(tmp_path / "runs" / f"cosmo-emulator-{job}")
+
+
+def test_sbatch_stops_on_the_time_limit_signal_and_requeues_itself(slurm, tmp_path):
+    job = _sbatch(slurm, tmp_path, {"LAUNCHER": "srun"}, *_job_args(tmp_path, 4))
+    summary = _stop_on_the_time_limit_signal(slurm, tmp_path, job)
     assert summary["finished"] and summary["resumed_from"] is not None and summary["steps"] == 64

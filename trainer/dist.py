@@ -251,12 +251,15 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     )
     started = {"launcher": "a launcher's variables", "slurm": "srun's variables", "single": "no launcher"}[dist.source]
     log.info(
-        "rank %d of %d (local rank %d of %d on this node), from %s",
+        "rank %d of %d on %s (local rank %d of %d on this node), from %s; rendezvous %s:%d",
         dist.rank,
         dist.world_size,
+        socket.gethostname(),
         dist.local_rank,
         dist.local_world_size,
         started,
+        dist.master_addr,
+        dist.master_port,
     )
     return Device(device_type, index)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import socket
 import statistics
 import sys
 import time
@@ -220,16 +221,19 @@ class Trainer:
         mean = float(totals[:, 0].sum() / totals[:, 1].sum()) if totals[:, 1].sum() else float("nan")
         return mean, (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
 
-    def _rank_digests(self) -> dict[str, list[str]]:
-        """Per-rank sha256 of the weights (equal when ranks are in sync) and of the first batch drawn."""
+    def _rank_digests(self) -> dict[str, Any]:
+        """Per rank: the host it ran on, sha256 of its weights (equal when ranks are in sync) and of the first batch
+        it drew; and the rendezvous every rank used."""
         weights = hashlib.sha256()
         for p in self.engine.module.parameters():
             weights.update(p.detach().float().cpu().numpy().tobytes())
         gathered: list[Any] = [None] * self.dist.world_size
-        torch_dist.all_gather_object(gathered, (weights.hexdigest(), self.first_batch_digest))
+        torch_dist.all_gather_object(gathered, (socket.gethostname(), weights.hexdigest(), self.first_batch_digest))
         digests = {
-            "rank_weight_digests": [g[0] for g in gathered],
-            "rank_first_batch_digests": [g[1] for g in gathered],
+            "rendezvous": f"{self.dist.master_addr}:{self.dist.master_port}",
+            "rank_hosts": [g[0] for g in gathered],
+            "rank_weight_digests": [g[1] for g in gathered],
+            "rank_first_batch_digests": [g[2] for g in gathered],
         }
         if len(set(digests["rank_weight_digests"])) > 1:
             log.error("the ranks' weights differ at the end of training: %s", digests["rank_weight_digests"])
