@@ -15,7 +15,9 @@ the crops come from is the storage mode's business (the ``*Crops`` sources below
   that lists it once per sample into one buffer (DALI's documentation of ``no_copy``). The same function
   cuts volumes in host memory when the graph runs on the CPU.
 - ``NumpyCrops`` (storage ``lazy``, .npy files): DALI's numpy reader reads each crop as a region of
-  interest of the files; on a GPU through GPUDirect Storage where ``gpu_direct_storage`` asks for it.
+  interest of the files, on the CPU (which memory-maps the file and reads only those pages); the crops are then
+  uploaded. DALI 2.4's GPU numpy reader (GPUDirect Storage) reads each sample's whole file before it cuts the region
+  of interest: per sample, the whole volume, which rules it out for crops of one large volume.
 - ``BatcherCrops`` (storage ``lazy``, HDF5 files): crops read by the ``CropBatcher``'s threads with h5py
   (DALI has no HDF5 reader), handed over as a batch; on the CPU the batcher rotates them as it cuts.
 
@@ -161,12 +163,12 @@ class NumpyCrops:
     padded, rotated = True, False
     layouts: list[str] = []
 
-    def __init__(self, volumes: VolumePair, batch_size: int, threads: int, gpu_direct: bool = False) -> None:
+    def __init__(self, volumes: VolumePair, batch_size: int, threads: int) -> None:
         files: VolumeFiles = volumes.files
         self.paths = [str(files.inputs), str(files.targets)]
         self.dtypes = [volumes.nbody.dtype, volumes.hydro.dtype]
         self.channels_last = files.npy_layout == "DHWC"
-        self.batch_size, self.gpu_direct, self.threads = batch_size, gpu_direct, threads
+        self.batch_size, self.threads = batch_size, threads
 
     def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> list[Any]:
         return []
@@ -174,17 +176,15 @@ class NumpyCrops:
     def cut(self, given: list[Any], corners: Any, crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
         out = []
         for path, dtype in zip(self.paths, self.dtypes):  # noqa: B905 (DALI's autograph knows no strict=)
-            direct = self.gpu_direct and on_gpu  # read into GPU memory through cuFile (GPUDirect Storage)
-            crop = fn.readers.numpy(
+            crop = fn.readers.numpy(  # on the CPU: see the module's docstring for the GPU reader
                 files=[path] * self.batch_size,
                 roi_start=corners,
                 roi_shape=[crop_size] * 3,
                 roi_axes=[0, 1, 2] if self.channels_last else _SPATIAL,
                 out_of_bounds_policy="error",
-                device="gpu" if direct else "cpu",
                 random_shuffle=False,
             )
-            if on_gpu and not direct:
+            if on_gpu:
                 crop = crop.gpu()
             if self.channels_last:
                 crop = fn.transpose(crop, perm=[3, 0, 1, 2], transpose_layout=False)

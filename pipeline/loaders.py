@@ -50,7 +50,6 @@ class LoaderSettings:
     threads: int
     lookahead: int
     channels_last: bool = False
-    gpu_direct_storage: bool = False
 
 
 def effective_storage(storage: Storage, device_type: str) -> Storage:
@@ -222,7 +221,7 @@ def build_loader(
     elif storage == "host":
         crops = dali.HostCrops(source, settings.threads)
     else:
-        crops = dali.NumpyCrops(volumes, plan.batch_size, settings.threads, settings.gpu_direct_storage)
+        crops = dali.NumpyCrops(volumes, plan.batch_size, settings.threads)
     return dali.DaliLoader(
         crops=crops, device_id=device.index if on_gpu else None, prefetch=settings.lookahead, **common
     )

@@ -54,6 +54,22 @@ class SyntheticSpec:
     shock_heating: float = _param(1.0, "heating in converging flows: T *= 1 + shock_heating relu(-div v / rms)^2")
     velocity_unit_sigmas: float = _param(4.0, "velocities are divided by this many expected rms of one component")
     temperature_log_range: float = _param(3.0, "normalized temperature is log10(T / T0) divided by this")
+    universe: str = _param(
+        "toy", "toy: the Gaussian-field boxes above; lcdm: LCDM initial conditions moved by Zel'dovich (pipeline.lcdm)"
+    )
+    # The lcdm universe (the toy one ignores these): a flat LCDM cosmology, Planck 2015's by default.
+    omega_m: float = _param(0.3089, "lcdm: matter density Omega_m")
+    omega_b: float = _param(0.0486, "lcdm: baryon density Omega_b")
+    h: float = _param(0.6774, "lcdm: Hubble constant / (100 km/s/Mpc)")
+    n_s: float = _param(0.9667, "lcdm: spectral index")
+    sigma8: float = _param(0.8159, "lcdm: rms linear density in spheres of 8 Mpc/h at z = 0")
+    redshift: float = _param(3.0, "lcdm: redshift of the boxes (the reference's Lyman-alpha forest era)")
+    cell_mpc_h: float = _param(1.0, "lcdm: side of a voxel in Mpc/h")
+    jeans_mpc_h: float = _param(1.5, "lcdm: Gaussian pressure-smoothing scale of the gas, in Mpc/h")
+    T0: float = _param(1e4, "lcdm: temperature at mean gas density, in K")
+    temperature_scatter_dex: float = _param(0.1, "lcdm: log-normal scatter around T0 rho^(gamma - 1), in dex")
+    shock_density: float = _param(3.0, "lcdm: gas density above which converging gas is shock-heated")
+    T_shock: float = _param(1e6, "lcdm: temperature of shock-heated gas at shock_density, in K (grows as rho^(2/3))")
 
     def problem(self) -> str | None:
         """What makes this spec unusable, in words; None when it is fine."""
@@ -63,6 +79,15 @@ class SyntheticSpec:
             return f"seed must not be negative, got {self.seed}"
         if not math.isfinite(self.gamma):
             return f"gamma must be finite, got {self.gamma}"
+        if self.universe not in ("toy", "lcdm"):
+            return f"universe must be toy or lcdm, got {self.universe!r}"
+        lcdm_positive = ("omega_m", "omega_b", "h", "n_s", "sigma8", "cell_mpc_h", "T0", "shock_density", "T_shock")
+        for name in lcdm_positive + ("redshift", "jeans_mpc_h", "temperature_scatter_dex"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (value == 0 and name in lcdm_positive):
+                return f"{name} must be {'positive' if name in lcdm_positive else 'non-negative'}, got {value}"
+        if self.omega_b >= self.omega_m:
+            return f"omega_b ({self.omega_b}) must be smaller than omega_m ({self.omega_m})"
         # sigma_log_density 0 would make a uniform box, whose velocities are 0/0
         positive = ("k_peak", "k_cut", "sigma_log_density", "velocity_unit_sigmas", "temperature_log_range")
         not_negative = ("gas_smoothing", "shock_heating")
@@ -99,6 +124,10 @@ def _wavevectors(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def generate_box(spec: SyntheticSpec, box_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """One box: (Nbody (4, L, L, L), Hydro (5, L, L, L)), float32, normalized. Deterministic in (spec, L, seed)."""
+    if spec.universe == "lcdm":
+        from pipeline.lcdm import generate_lcdm_box
+
+        return generate_lcdm_box(spec, box_size, seed)
     n = box_size
     shape = (n, n, n)
     rng = np.random.default_rng(seed)
@@ -143,10 +172,17 @@ def generate_box(spec: SyntheticSpec, box_size: int, seed: int) -> tuple[np.ndar
     return nbody.astype(np.float32), hydro.astype(np.float32)
 
 
+_LCDM_ONLY = ("universe", "omega_m", "omega_b", "h", "n_s", "sigma8", "redshift", "cell_mpc_h", "jeans_mpc_h", "T0")
+_LCDM_ONLY += ("temperature_scatter_dex", "shock_density", "T_shock")
+
+
 def _attributes(spec: SyntheticSpec, box_size: int, seed: int) -> dict[str, str | int]:
+    described = dataclasses.asdict(spec)
+    if spec.universe == "toy":  # toy boxes are described as before the lcdm universe existed: they stay valid
+        described = {k: v for k, v in described.items() if k not in _LCDM_ONLY}
     return {
         "generator": "pipeline.synthetic",
-        "spec": json.dumps(dataclasses.asdict(spec), sort_keys=True),
+        "spec": json.dumps(described, sort_keys=True),
         "box_size": box_size,
         "seed": seed,
         "normalization": json.dumps(

@@ -1,5 +1,3 @@
-import dataclasses
-
 import pytest
 
 from trainer.build import unused_data_keys, validation_share
@@ -24,16 +22,12 @@ def test_validation_share(num, batch, policy, world, expected):
 
 
 def test_data_keys_that_the_storage_mode_does_not_use():
-    tuned = Config(num_data_workers=8, data_prefetch=4, device_storage_dtype="float16", gpu_direct_storage=True)
+    tuned = Config(num_data_workers=8, data_prefetch=4, device_storage_dtype="float16")
     # The GPU cuts the crops: no CPU threads; the torch backend prefetches nothing there, DALI does.
-    torch_device = ["gpu_direct_storage", "num_data_workers", "data_prefetch"]
-    assert unused_data_keys(tuned, "device", "torch", "cuda") == torch_device
-    assert unused_data_keys(tuned, "device", "dali", "cuda") == ["gpu_direct_storage", "num_data_workers"]
-    assert unused_data_keys(tuned, "host", "dali", "cuda") == ["device_storage_dtype", "gpu_direct_storage"]
-    npy = dataclasses.replace(tuned, data_format="npy")  # GPUDirect Storage: DALI's numpy reader on a GPU only
-    assert unused_data_keys(npy, "lazy", "dali", "cuda") == ["device_storage_dtype"]
-    assert "gpu_direct_storage" in unused_data_keys(npy, "lazy", "dali", "cpu")
-    assert "gpu_direct_storage" in unused_data_keys(npy, "lazy", "torch", "cuda")
+    assert unused_data_keys(tuned, "device", "torch", "cuda") == ["num_data_workers", "data_prefetch"]
+    assert unused_data_keys(tuned, "device", "dali", "cuda") == ["num_data_workers"]
+    assert unused_data_keys(tuned, "host", "dali", "cuda") == ["device_storage_dtype"]
+    assert unused_data_keys(tuned, "lazy", "torch", "cpu") == ["device_storage_dtype"]
     assert (
         unused_data_keys(Config(), "device", "dali", "cuda") == unused_data_keys(Config(), "lazy", "torch", "cpu") == []
     )

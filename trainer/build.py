@@ -176,7 +176,6 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> Data:
         cfg.num_data_workers,
         cfg.data_prefetch,
         cfg.channels_last,
-        cfg.gpu_direct_storage,
     )
     micro = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size).micro_batch
     channels = cfg.N_in_channels + cfg.N_out_channels

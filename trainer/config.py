@@ -127,14 +127,6 @@ class Config:
         "GPU, torch on a CPU (measured faster there)",
         resumable=True,
     )
-    gpu_direct_storage: bool = _field(
-        False,
-        "lazy .npy storage with the dali backend on a GPU: read crops straight into GPU memory (GPUDirect Storage)",
-        resumable=True,
-        unused=lambda cfg, storage, backend, device: (
-            (storage, cfg.data_format, backend, device) != ("lazy", "npy", "dali", "cuda")
-        ),
-    )
     data_size: int = _field(64, "side of the training crops in voxels", bound="positive")
     Nsamples: int = _field(65536, "training samples per epoch (over all ranks)", bound="positive")
     Nsamples_val: int = _field(8192, "validation samples per evaluation (over all ranks)", bound="positive")
