@@ -1,7 +1,7 @@
 # make train:       set up .venv and train the built-in debug config (synthetic data, CPU if no GPU)
 # make test:        set up .venv and run the test suite
 # make lint:        ruff's checks and its formatter's (the settings are in pyproject.toml)
-# make data:        write the synthetic train/val boxes to data/synthetic/ (the trainer also does it on first use)
+# make data:        write the debug config's synthetic LCDM boxes to data/synthetic/lcdm/ (the trainer also does it on first use)
 # make tensorboard: serve the runs' TensorBoard events (RUNS=runs, PORT=6006)
 #
 # torch is installed first, on its own (tools/install_torch.py): the CUDA build where an NVIDIA GPU is present,
@@ -36,7 +36,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 data: setup
-	$(BIN)/python -m pipeline.synthetic --out_dir data/synthetic
+	$(BIN)/python -m pipeline.synthetic --out_dir data/synthetic/lcdm --universe lcdm
 
 tensorboard: setup
 	$(BIN)/tensorboard --logdir $(RUNS) --port $(PORT)

@@ -1,6 +1,6 @@
 """Predict the full hydro volume of an N-body box with a trained emulator; compare it with the truth.
 
-    python -m model.predict --input data/synthetic/debug/val.h5       # newest run under runs/
+    python -m model.predict --input data/synthetic/lcdm/val.h5       # newest run under runs/
     python -m model.predict --run_dir RUN --input box.h5 --out RUN/prediction --overlap 16
     python -m model.predict --weights emulator.pt --input nbody_data.npy --npy_layout DHWC --truth box.h5
 

@@ -11,8 +11,8 @@ approximation, and gas that follows it down to a pressure-smoothing scale.
    rho / rho_mean) and of their momentum (the mass-weighted velocity, v = f psi in units of a H, f = Omega_m(z)^0.55).
 4. Gas: the dark-matter density and momentum filtered with exp(-k^2 lambda^2 / 2) at the Jeans-like scale
    ``jeans_mpc_h`` (pressure smoothing); temperature from T = T0 (rho_gas)^(gamma - 1) with a log-normal scatter,
-   raised to a shock-heated phase T >= T_shock (rho / rho_shock)^(2/3) where the gas is dense
-   (rho_gas > ``shock_density``) and converging (div v < 0).
+   times 1 + (T_shock / T0) (rho_gas / ``shock_density`` - 1) c where the gas is denser than ``shock_density`` and
+   converging at c standard deviations of -div v (a shock-heated phase that grows continuously with both).
 
 Normalized the reference's way: densities as log(rho) / 14, velocities over ``velocity_unit_sigmas`` times the
 expected linear rms of one component, temperature as log10(T / T0) / ``temperature_log_range``.
@@ -73,20 +73,34 @@ def linear_density_k(spec, n: int, seed: int) -> np.ndarray:
     return noise * np.sqrt(linear_power(k, spec) * n**3 / volume)
 
 
-def _cic(positions: np.ndarray, n: int, weights: np.ndarray | None = None) -> np.ndarray:
-    """Cloud-in-cell deposit of particles at ``positions`` ((N, 3), in cells, periodic) onto an n^3 grid."""
-    base = np.floor(positions)
-    frac = positions - base
-    base = base.astype(np.int64)
-    out = np.zeros(n**3)
-    for corner in range(8):
-        offset = np.array([(corner >> 2) & 1, (corner >> 1) & 1, corner & 1])
-        w = np.prod(np.where(offset, frac, 1 - frac), axis=1)
-        if weights is not None:
-            w = w * weights
-        idx = (base + offset) % n
-        out += np.bincount((idx[:, 0] * n + idx[:, 1]) * n + idx[:, 2], weights=w, minlength=n**3)
-    return out.reshape(n, n, n)
+_SLAB = 16  # planes of particles deposited at a time: bounds the deposit's memory to a few n^2 x 16 arrays
+
+
+def _deposit(psi: np.ndarray, cell: float, velocity_factor: float) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Cloud-in-cell deposit of one particle per cell, moved from its cell q to q + psi(q) (psi (3, n, n, n) in Mpc/h,
+    periodic): the density rho / rho_mean and the three momentum components (mass times v = velocity_factor psi).
+    Particles go slab by slab of ``_SLAB`` planes, so that memory stays a few grids, whatever n."""
+    n = psi.shape[1]
+    grids = np.zeros((4, n**3))  # mass, then momentum along x, y, z
+    plane = np.stack(np.meshgrid(np.arange(n), np.arange(n), indexing="ij")).reshape(2, -1)
+    for start in range(0, n, _SLAB):
+        planes = np.arange(start, min(start + _SLAB, n))
+        q = np.concatenate([np.repeat(planes, n * n)[None], np.tile(plane, len(planes))]).astype(np.float64)
+        displacement = psi[:, planes].reshape(3, -1)
+        position = q + displacement / cell
+        base = np.floor(position)
+        frac = position - base
+        base = base.astype(np.int64)
+        values = np.concatenate([np.ones((1, base.shape[1])), velocity_factor * displacement])
+        for corner in range(8):
+            offset = np.array([(corner >> 2) & 1, (corner >> 1) & 1, corner & 1])[:, None]
+            w = np.prod(np.where(offset, frac, 1 - frac), axis=0)
+            idx = (base + offset) % n
+            flat = (idx[0] * n + idx[1]) * n + idx[2]
+            for g in range(4):
+                grids[g] += np.bincount(flat, weights=w * values[g], minlength=n**3)
+    grids = grids.reshape(4, n, n, n)
+    return grids[0], [grids[1], grids[2], grids[3]]
 
 
 def _smooth(field: np.ndarray, scale_cells: float) -> np.ndarray:
@@ -113,11 +127,9 @@ def generate_lcdm_box(spec, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     k2 = kx**2 + ky**2 + kz**2
     inv_k2 = np.divide(1.0, k2, out=np.zeros_like(k2), where=k2 > 0)
     psi = np.stack([np.fft.irfftn(1j * kc * inv_k2 * delta_k, s=shape, axes=(0, 1, 2)) for kc in (kx, ky, kz)])
-    velocity = growth_rate(spec) * psi.reshape(3, -1).T  # per particle, a H Mpc/h
-    q = np.stack(np.meshgrid(*(np.arange(n),) * 3, indexing="ij")).reshape(3, -1).T.astype(np.float64)
-    positions = q + psi.reshape(3, -1).T / cell
-    rho = _cic(positions, n)  # mean 1: one particle per cell
-    momentum = [_cic(positions, n, velocity[:, a]) for a in range(3)]
+    del delta_k
+    rho, momentum = _deposit(psi, cell, growth_rate(spec))  # rho has mean 1: one particle per cell
+    del psi
     v_dm = [np.divide(p, rho, out=np.zeros_like(p), where=rho > 0) for p in momentum]
 
     jeans = spec.jeans_mpc_h / cell
@@ -128,10 +140,11 @@ def generate_lcdm_box(spec, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         for kc, v in zip((kx, ky, kz), v_gas, strict=True)
     )
     scatter = np.random.default_rng(seed + 2**31).standard_normal(shape) * spec.temperature_scatter_dex
-    temperature = spec.T0 * rho_gas ** (spec.gamma - 1) * 10**scatter
-    shocked = (rho_gas > spec.shock_density) & (divergence < 0)
-    hot = spec.T_shock * (rho_gas / spec.shock_density) ** (2 / 3)
-    temperature = np.where(shocked, np.maximum(temperature, hot), temperature)
+    # Shock heating grows continuously from the density threshold and with the rate of compression, so that the hot
+    # phase is a function of the gas's state (which a network can learn), not a step at a threshold.
+    compression = np.maximum(-divergence / divergence.std(), 0.0)
+    heating = (spec.T_shock / spec.T0) * np.maximum(rho_gas / spec.shock_density - 1, 0.0) * compression
+    temperature = spec.T0 * rho_gas ** (spec.gamma - 1) * 10**scatter * (1 + heating)
 
     v_unit = spec.velocity_unit_sigmas * expected_velocity_rms(spec)
     log_density = np.log(np.maximum(rho, _DENSITY_FLOOR)) / LOG_DENSITY_SCALE

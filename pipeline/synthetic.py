@@ -67,9 +67,11 @@ class SyntheticSpec:
     cell_mpc_h: float = _param(1.0, "lcdm: side of a voxel in Mpc/h")
     jeans_mpc_h: float = _param(1.5, "lcdm: Gaussian pressure-smoothing scale of the gas, in Mpc/h")
     T0: float = _param(1e4, "lcdm: temperature at mean gas density, in K")
-    temperature_scatter_dex: float = _param(0.1, "lcdm: log-normal scatter around T0 rho^(gamma - 1), in dex")
+    temperature_scatter_dex: float = _param(0.03, "lcdm: log-normal scatter around T0 rho^(gamma - 1), in dex")
     shock_density: float = _param(3.0, "lcdm: gas density above which converging gas is shock-heated")
-    T_shock: float = _param(1e6, "lcdm: temperature of shock-heated gas at shock_density, in K (grows as rho^(2/3))")
+    T_shock: float = _param(
+        1e6, "lcdm: shock heating multiplies T by 1 + (T_shock / T0) (rho / shock_density - 1) (compression in sigmas)"
+    )
 
     def problem(self) -> str | None:
         """What makes this spec unusable, in words; None when it is fine."""
