@@ -88,12 +88,22 @@ def contrast(field: np.ndarray) -> np.ndarray:
     return field / field.mean() - 1.0
 
 
-def compare_spectra(pred: np.ndarray, true: np.ndarray) -> dict[str, list[float]]:
+# Shells where the truth's power is below this fraction of its peak are beyond the truth's own cut-off (a field
+# smoothed by construction): there the ratio measures the prediction's noise over nothing, not the model.
+TRUTH_CUTOFF = 1e-6
+FIELDS = ("gas_density", "temperature")  # the fields whose spectra are compared
+
+
+def compare_spectra(pred: np.ndarray, true: np.ndarray) -> dict[str, Any]:
+    """P_pred / P_true and r(k) per shell, and the last k before the truth's cut-off (None where it has none)."""
     s = spectra(contrast(pred), contrast(true))
+    resolved = s["p_b"] >= TRUTH_CUTOFF * s["p_b"].max()
+    cut = np.flatnonzero(~resolved)
     return {
         "k": s["k"].tolist(),
         "power_ratio": (s["p_a"] / s["p_b"]).tolist(),
         "r": (s["p_ab"] / np.sqrt(s["p_a"] * s["p_b"])).tolist(),
+        "truth_cutoff_k": int(s["k"][cut[0] - 1]) if cut.size else None,
     }
 
 
@@ -138,12 +148,13 @@ def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int =
     }
     ranges = k_ranges(len(result["gas_density"]["k"]))
     result["k_ranges"] = {name: [lo, hi] for name, (lo, hi) in ranges.items()}
-    result["summary"] = {
-        f"{field}_{stat}_{name}": float(np.median(result[field][stat][lo - 1 : hi]))
-        for field in ("gas_density", "temperature")
-        for stat in ("power_ratio", "r")
-        for name, (lo, hi) in ranges.items()
-    }
+    result["summary"] = {}
+    for field in ("gas_density", "temperature"):
+        last = result[field]["truth_cutoff_k"] or len(result[field]["k"])  # shells beyond the truth's cut-off: out
+        for stat in ("power_ratio", "r"):
+            for name, (lo, hi) in ranges.items():
+                values = result[field][stat][lo - 1 : min(hi, last)]
+                result["summary"][f"{field}_{stat}_{name}"] = float(np.median(values)) if values else None
     return result
 
 
@@ -173,13 +184,20 @@ def spectra_table(metrics: dict[str, Any], max_rows: int = 32) -> str:
         lines.append(f"{k[i]:>5}  {row[0]:>15.3f}  {row[1]:>6.3f}  {row[2]:>15.3f}  {row[3]:>6.3f}")
     if len(shown) < len(k):
         lines.append(f"({len(shown)} of {len(k)} shells shown; metrics.json holds every k)")
+    cuts = [
+        f"{f.replace('_', ' ')} from k {metrics[f]['truth_cutoff_k'] + 1}"
+        for f in FIELDS
+        if metrics[f]["truth_cutoff_k"]
+    ]
+    if cuts:
+        lines.append(f"(left out of the medians, beyond the truth's cut-off: {', '.join(cuts)})")
     lines.append("medians over k ranges (units of the fundamental mode 2 pi / L):")
+
+    def shown(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
     for name, (lo, hi) in metrics["k_ranges"].items():
-        row = [
-            metrics["summary"][f"{f}_{s}_{name}"] for f in ("gas_density", "temperature") for s in ("power_ratio", "r")
-        ]
+        row = [shown(metrics["summary"][f"{f}_{s}_{name}"]) for f in FIELDS for s in ("power_ratio", "r")]
         label = f"{name.replace('_', ' ')} (k {lo}-{hi})"
-        lines.append(
-            f"  {label:<28} gas density P/P {row[0]:.3f}, r {row[1]:.3f}; temperature P/P {row[2]:.3f}, r {row[3]:.3f}"
-        )
+        lines.append(f"  {label:<28} gas density P/P {row[0]}, r {row[1]}; temperature P/P {row[2]}, r {row[3]}")
     return "\n".join(lines)

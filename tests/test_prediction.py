@@ -171,6 +171,30 @@ def test_summaries_are_medians_over_named_k_ranges():
     assert len([line for line in table.splitlines() if re.match(r"^ +\d+ ", line)]) == 16  # a row per k
 
 
+def test_summaries_leave_out_the_shells_beyond_the_truths_cut_off():
+    """A truth smoothed to nothing above k = 4 (as synthetic gas is) and a prediction with a little noise there: the
+    ratio per shell is huge, but the medians say nothing about those shells instead of reporting it."""
+    n = 32
+    g = np.random.default_rng(5).normal(size=(n, n, n))
+    shells, _ = _shells(n)
+    smooth = np.fft.irfftn(np.fft.rfftn(g) * (shells <= 4), s=g.shape, axes=(0, 1, 2))
+    noisy = smooth + 1e-6 * g
+    true, pred = np.zeros((2, 5, n, n, n))
+    for box, field in ((true, smooth), (pred, noisy)):
+        box[0] = np.log(1.0 + 0.05 * field) / LOG_DENSITY_SCALE
+        box[4] = 0.01 * g  # temperature: resolved at every k, the same in both
+    metrics = compare(pred, true, Normalization(temperature_log_range=3.0))
+    assert metrics["gas_density"]["truth_cutoff_k"] == 4 and metrics["temperature"]["truth_cutoff_k"] is None
+    assert max(metrics["gas_density"]["power_ratio"][4:]) > 1e3  # what the shells beyond the cut-off would say
+    summary = metrics["summary"]
+    assert summary["gas_density_power_ratio_large_scales"] == pytest.approx(1.0, abs=1e-3)
+    assert summary["gas_density_power_ratio_intermediate"] == pytest.approx(1.0, abs=1e-3)  # k 3-4 only
+    assert summary["gas_density_power_ratio_small_scales"] is None
+    assert summary["temperature_power_ratio_small_scales"] == pytest.approx(1.0)
+    table = spectra_table(metrics)
+    assert "beyond the truth's cut-off: gas density from k 5" in table and "gas density P/P -, r -" in table
+
+
 def test_export_round_trip_gives_identical_outputs(tmp_path):
     spec = EmulatorSpec(4, 5, 4, 3, 16, [[1, 2, 3]], [[1, 2, 3]])
     emulator = Emulator(spec, _net(seed=5), "test")
