@@ -39,6 +39,7 @@ from trainer.config import Config, build_config, config_parser, load_named, pars
 from trainer.dist import Device, DistEnv, init_distributed
 from trainer.engine import precision_name
 from trainer.errors import USER_ERRORS
+from trainer.rundir import configure_logging
 from trainer.step import StepGuard, micro_step
 
 RESULTS = REPO / "bench" / "results" / "train.jsonl"
@@ -121,7 +122,8 @@ class Case:
         self.guard = StepGuard(
             cfg, engine.device, stop=None
         )  # the trainer's agreement on each step, where it makes one
-        self.train_loader, self.val_loader = data.loaders(
+        # the training loader only: the benchmark validates nothing
+        self.train_loader = data.train_loader(
             dist, self.micro, self.accumulation, built.steps_per_epoch, device, built.dtype
         )
         generator = torch.Generator(device=engine.device).manual_seed(cfg.seed + dist.rank)
@@ -300,13 +302,7 @@ def measure(argv: list[str] | None) -> None:
     """Build the case from the options, time its modes, append a record per mode to --out (rank 0)."""
     args, cfg = parse_args(argv)
     dist = DistEnv.from_environ()
-    logging.basicConfig(
-        level=logging.INFO if dist.is_main else logging.WARNING,
-        format="%(asctime)s %(message)s",
-        datefmt="%H:%M:%S",
-        force=True,
-    )
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    configure_logging(dist.rank)
     device = init_distributed(dist, cfg.dist_timeout_s)
     prepare_data(cfg, dist)
     data = build_data(cfg, dist, device)
@@ -376,8 +372,7 @@ def measure(argv: list[str] | None) -> None:
                 )
         torch_dist.barrier()
     finally:
-        for loader in (case.train_loader, case.val_loader):
-            loader.close()
+        case.train_loader.close()
 
 
 if __name__ == "__main__":

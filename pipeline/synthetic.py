@@ -39,6 +39,12 @@ def _param(default: float, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+# The settings only one universe reads (with "universe" itself, left out of a toy box's description).
+_LCDM_ONLY = ("universe", "omega_m", "omega_b", "h", "n_s", "sigma8", "redshift", "cell_mpc_h", "jeans_mpc_h", "T0")
+_LCDM_ONLY += ("temperature_scatter_dex", "shock_density", "T_shock")
+_TOY_ONLY = ("k_peak", "k_cut", "sigma_log_density", "gas_smoothing", "shock_heating")
+
+
 @dataclass(frozen=True)
 class SyntheticSpec:
     """How to generate a train and a validation box. Lengths are in voxels, wavenumbers in radians per voxel."""
@@ -83,20 +89,22 @@ class SyntheticSpec:
             return f"gamma must be finite, got {self.gamma}"
         if self.universe not in ("toy", "lcdm"):
             return f"universe must be toy or lcdm, got {self.universe!r}"
-        lcdm_positive = ("omega_m", "omega_b", "h", "n_s", "sigma8", "cell_mpc_h", "T0", "shock_density", "T_shock")
-        for name in lcdm_positive + ("redshift", "jeans_mpc_h", "temperature_scatter_dex"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0 or (value == 0 and name in lcdm_positive):
-                return f"{name} must be {'positive' if name in lcdm_positive else 'non-negative'}, got {value}"
-        if self.omega_b >= self.omega_m:
-            return f"omega_b ({self.omega_b}) must be smaller than omega_m ({self.omega_m})"
         # sigma_log_density 0 would make a uniform box, whose velocities are 0/0
         positive = ("k_peak", "k_cut", "sigma_log_density", "velocity_unit_sigmas", "temperature_log_range")
-        not_negative = ("gas_smoothing", "shock_heating")
+        positive += ("omega_m", "omega_b", "h", "n_s", "sigma8", "cell_mpc_h", "T0", "shock_density", "T_shock")
+        not_negative = ("gas_smoothing", "shock_heating", "redshift", "jeans_mpc_h", "temperature_scatter_dex")
         for name in positive + not_negative:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0 or (value == 0 and name in positive):
                 return f"{name} must be {'positive' if name in positive else 'non-negative'}, got {value}"
+        if self.omega_b >= self.omega_m:
+            return f"omega_b ({self.omega_b}) must be smaller than omega_m ({self.omega_m})"
+        # A setting of the other universe would be ignored silently: say so instead.
+        ignored = _TOY_ONLY if self.universe == "lcdm" else _LCDM_ONLY
+        defaults = SyntheticSpec()
+        changed = [name for name in ignored if name != "universe" and getattr(self, name) != getattr(defaults, name)]
+        if changed:
+            return f"{', '.join(changed)} set, but universe {self.universe} does not use them"
         return None
 
 
@@ -172,10 +180,6 @@ def generate_box(spec: SyntheticSpec, box_size: int, seed: int) -> tuple[np.ndar
         ]
     )
     return nbody.astype(np.float32), hydro.astype(np.float32)
-
-
-_LCDM_ONLY = ("universe", "omega_m", "omega_b", "h", "n_s", "sigma8", "redshift", "cell_mpc_h", "jeans_mpc_h", "T0")
-_LCDM_ONLY += ("temperature_scatter_dex", "shock_density", "T_shock")
 
 
 def _attributes(spec: SyntheticSpec, box_size: int, seed: int) -> dict[str, str | int]:

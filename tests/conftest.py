@@ -75,6 +75,11 @@ def single_process_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(launched)}
 
 
+def tiny_args(train: Path | str, val: Path | str, run_dir: Path | str, *extra: str) -> list[str]:
+    """ds_train.py's options for the tiny config, with these box files (generated on first use) and run directory."""
+    return [*TINY_ARGS, "--train_path", str(train), "--val_path", str(val), "--run_dir", str(run_dir), *extra]
+
+
 def run_train(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ds_train.py in a fresh process from the repository root, as a single process (no launcher)."""
     return subprocess.run(

@@ -13,6 +13,9 @@ from bench.pipeline import main as pipeline_main
 from pipeline.sampling import DrawPlan
 from pipeline.volumes import VolumeFiles, VolumePair
 
+# A run of bench.pipeline small enough for a test: batches of 4 tiny crops, one thread, two timed batches.
+QUICK = ["--batch", "4", "--threads", "1", "--warmup", "1", "--batches", "2"]
+
 
 def test_baseline_produces_the_reference_samples(tiny_data):
     plan = DrawPlan(seed=0, num_samples=48, batch_size=8, box_size=32, crop_size=8, rotate=True)
@@ -90,14 +93,7 @@ def test_a_run_with_its_own_results_file_leaves_the_docs_alone(tiny_data, tmp_pa
             str(tiny_data["train"]),
             "--crops",
             "8",
-            "--batch",
-            "4",
-            "--threads",
-            "1",
-            "--warmup",
-            "1",
-            "--batches",
-            "2",
+            *QUICK,
             "--repeats",
             "1",
             "--no_dali",
@@ -140,14 +136,7 @@ def test_records_are_written_as_cases_finish_so_a_run_stopped_early_keeps_them(t
         "--crops",
         "8",
         "16",
-        "--batch",
-        "4",
-        "--threads",
-        "1",
-        "--warmup",
-        "1",
-        "--batches",
-        "2",
+        *QUICK,
         "--repeats",
         "2",
         "--no_dali",

@@ -9,23 +9,14 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import REPO, TINY_ARGS, run_train, single_process_env
+from tests.conftest import REPO, run_train, single_process_env, tiny_args
 
 DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
 def _args(tmp_path, run_dir, *extra):
     data = tmp_path.parent / "dist-data"
-    return [
-        *TINY_ARGS,
-        "--train_path",
-        str(data / "train.h5"),
-        "--val_path",
-        str(data / "val.h5"),
-        "--run_dir",
-        str(run_dir),
-        *extra,
-    ]
+    return tiny_args(data / "train.h5", data / "val.h5", run_dir, *extra)
 
 
 def _summary(run_dir):

@@ -13,7 +13,7 @@ from pipeline.crops import CropBatcher
 from pipeline.loaders import LoaderSettings, build_loader, dali_installed, to_device
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.volumes import VolumeFiles, VolumePair
-from tests.conftest import REPO, TINY_ARGS, EveryRotation, run_train, single_process_env
+from tests.conftest import REPO, EveryRotation, run_train, single_process_env, tiny_args
 
 CROP = 8
 AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
@@ -100,20 +100,7 @@ def test_channels_last_gradients_match_the_plain_path():
 
 def _final_val_loss(tmp_path, name, *extra):
     data = tmp_path.parent / "fast-data"
-    result = run_train(
-        [
-            *TINY_ARGS,
-            "--train_path",
-            str(data / "train.h5"),
-            "--val_path",
-            str(data / "val.h5"),
-            "--run_dir",
-            str(tmp_path / name),
-            "--num_epochs",
-            "2",
-            *extra,
-        ]
-    )
+    result = run_train(tiny_args(data / "train.h5", data / "val.h5", tmp_path / name, "--num_epochs", "2", *extra))
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads((tmp_path / name / "summary.json").read_text())["final_val_loss"]
 
@@ -129,14 +116,10 @@ def test_switches_warn_where_they_cannot_work(tmp_path):
         pytest.skip("the warning is for machines without a GPU")
     data = tmp_path / "data"
     result = run_train(
-        [
-            *TINY_ARGS,
-            "--train_path",
-            str(data / "train.h5"),
-            "--val_path",
-            str(data / "val.h5"),
-            "--run_dir",
-            str(tmp_path / "run"),
+        tiny_args(
+            data / "train.h5",
+            data / "val.h5",
+            tmp_path / "run",
             "--num_epochs",
             "1",
             "--cudnn_benchmark",
@@ -149,7 +132,7 @@ def test_switches_warn_where_they_cannot_work(tmp_path):
             "float16",
             "--compile_mode",
             "reduce-overhead",
-        ]
+        )
     )
     assert result.returncode == 0 and "cudnn_benchmark has no effect without a GPU" in result.stderr
     assert "science_box_size has no effect without science_every_epochs" in result.stderr
@@ -274,14 +257,10 @@ def _training_losses(tmp_path, name, *extra):
     """Every logged training loss of a 2-epoch run of the tiny config, fp32, one log point per optimizer step."""
     data = tmp_path.parent / "fast-data"
     result = run_train(
-        [
-            *TINY_ARGS,
-            "--train_path",
-            str(data / "train.h5"),
-            "--val_path",
-            str(data / "val.h5"),
-            "--run_dir",
-            str(tmp_path / name),
+        tiny_args(
+            data / "train.h5",
+            data / "val.h5",
+            tmp_path / name,
             "--num_epochs",
             "2",
             "--log_every_steps",
@@ -291,7 +270,7 @@ def _training_losses(tmp_path, name, *extra):
             "--cudnn_benchmark",
             "false",
             *extra,
-        ]
+        )
     )
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_ARGS, run_train
+from tests.conftest import TINY_ARGS, run_train, tiny_args
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_run.json"
 RTOL = 1e-3
@@ -35,18 +35,7 @@ OPTIONS = [
 
 def _run(tmp_path) -> dict[str, list[float]]:
     data = tmp_path / "data"
-    result = run_train(
-        [
-            *TINY_ARGS,
-            "--train_path",
-            str(data / "train.h5"),
-            "--val_path",
-            str(data / "val.h5"),
-            "--run_dir",
-            str(tmp_path / "run"),
-            *OPTIONS,
-        ]
-    )
+    result = run_train(tiny_args(data / "train.h5", data / "val.h5", tmp_path / "run", *OPTIONS))
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     return {

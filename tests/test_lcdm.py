@@ -11,7 +11,7 @@ import pytest
 from pipeline.layout import LOG_DENSITY_SCALE
 from pipeline.lcdm import _wavevectors, linear_power
 from pipeline.synthetic import SyntheticSpec, generate_box
-from tests.conftest import TINY_ARGS, run_train
+from tests.conftest import run_train, tiny_args
 
 SPEC = SyntheticSpec(universe="lcdm")  # z = 3, 1 Mpc/h cells, gas smoothed over 1.5 Mpc/h
 N = 64
@@ -103,15 +103,16 @@ def test_bad_lcdm_settings_are_named():
     assert "omega_b" in dataclasses.replace(SPEC, omega_b=0.5).problem()
     assert "universe" in dataclasses.replace(SPEC, universe="flat").problem()
     assert "cell_mpc_h must be positive" in dataclasses.replace(SPEC, cell_mpc_h=0.0).problem()
+    # a setting the chosen universe ignores is named, not dropped silently
+    assert dataclasses.replace(SPEC, k_peak=0.5).problem() == "k_peak set, but universe lcdm does not use them"
+    assert SyntheticSpec(redshift=1.0, T0=2e4).problem() == "redshift, T0 set, but universe toy does not use them"
 
 
 def test_the_trainer_generates_and_learns_an_lcdm_universe(tmp_path):
-    args = list(TINY_ARGS)
-    args[args.index("--synthetic") + 1] = json.dumps({"universe": "lcdm", "train_box_size": 32, "val_box_size": 32})
     data = tmp_path / "data"
+    lcdm = json.dumps({"universe": "lcdm", "train_box_size": 32, "val_box_size": 32})  # after TINY_ARGS': it wins
     result = run_train(
-        [*args, "--train_path", str(data / "train.h5"), "--val_path", str(data / "val.h5")]
-        + ["--run_dir", str(tmp_path / "run"), "--num_epochs", "2"]
+        tiny_args(data / "train.h5", data / "val.h5", tmp_path / "run", "--synthetic", lcdm, "--num_epochs", "2")
     )
     assert result.returncode == 0, result.stderr[-2000:]
     with h5py.File(data / "train.h5") as f:

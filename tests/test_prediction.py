@@ -16,7 +16,7 @@ from model.metrics import Normalization, _shells, compare, contrast, spectra, sp
 from model.predict import main as predict_main
 from model.tiling import periodic_window, predict_box, tile_starts
 from pipeline.layout import LOG_DENSITY_SCALE
-from tests.conftest import TINY_ARGS, run_train
+from tests.conftest import run_train, tiny_args
 
 CPU = torch.device("cpu")
 
@@ -56,19 +56,7 @@ def trained(tmp_path_factory):
     """A tiny model trained for two epochs: its mapping is local, and crop faces are where it errs."""
     root = tmp_path_factory.mktemp("trained")
     data, run = root / "data", root / "run"
-    result = run_train(
-        [
-            *TINY_ARGS,
-            "--train_path",
-            str(data / "train.h5"),
-            "--val_path",
-            str(data / "val.h5"),
-            "--run_dir",
-            str(run),
-            "--num_epochs",
-            "2",
-        ]
-    )
+    result = run_train(tiny_args(data / "train.h5", data / "val.h5", run, "--num_epochs", "2"))
     assert result.returncode == 0, result.stderr[-2000:]
     return {"run": run, "train": data / "train.h5", "val": data / "val.h5"}
 
@@ -282,19 +270,7 @@ def test_export_never_replaces_a_file_unasked_and_bad_sources_are_one_line(train
 def test_science_metrics_during_training(trained, tmp_path):
     run = tmp_path / "run"
     result = run_train(
-        [
-            *TINY_ARGS,
-            "--train_path",
-            str(trained["train"]),
-            "--val_path",
-            str(trained["val"]),
-            "--run_dir",
-            str(run),
-            "--num_epochs",
-            "2",
-            "--science_every_epochs",
-            "2",
-        ]
+        tiny_args(trained["train"], trained["val"], run, "--num_epochs", "2", "--science_every_epochs", "2")
     )
     assert result.returncode == 0, result.stderr[-2000:]
     science = [
@@ -310,21 +286,17 @@ def test_science_metrics_during_training(trained, tmp_path):
 def test_science_metrics_on_a_fixed_sub_volume(trained, tmp_path):
     run = tmp_path / "run"
     result = run_train(
-        [
-            *TINY_ARGS,
-            "--train_path",
-            str(trained["train"]),
-            "--val_path",
-            str(trained["val"]),
-            "--run_dir",
-            str(run),
+        tiny_args(
+            trained["train"],
+            trained["val"],
+            run,
             "--num_epochs",
             "2",
             "--science_every_epochs",
             "1",
             "--science_box_size",
             "16",
-        ]
+        )
     )
     assert result.returncode == 0, result.stderr[-2000:]
     science = [

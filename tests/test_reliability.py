@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, TINY_ARGS, run_train, single_process_env
+from tests.conftest import REPO, TINY_ARGS, run_train, single_process_env, tiny_args
 from trainer.errors import HostfileError
 from trainer.hostfile import parse_hostfile
 
@@ -23,34 +23,13 @@ def data(tmp_path_factory):
     """The tiny boxes, written by a first short run."""
     root = tmp_path_factory.mktemp("reliability")
     paths = {"train": root / "train.h5", "val": root / "val.h5"}
-    result = run_train(
-        [
-            *TINY_ARGS,
-            "--train_path",
-            str(paths["train"]),
-            "--val_path",
-            str(paths["val"]),
-            "--run_dir",
-            str(root / "first"),
-            "--num_epochs",
-            "1",
-        ]
-    )
+    result = run_train(tiny_args(paths["train"], paths["val"], root / "first", "--num_epochs", "1"))
     assert result.returncode == 0, result.stderr[-2000:]
     return paths
 
 
 def _args(data, run_dir, *extra, train=None):
-    return [
-        *TINY_ARGS,
-        "--train_path",
-        str(train or data["train"]),
-        "--val_path",
-        str(data["val"]),
-        "--run_dir",
-        str(run_dir),
-        *extra,
-    ]
+    return tiny_args(train or data["train"], data["val"], run_dir, *extra)
 
 
 def _one_error_line(result, code=2):

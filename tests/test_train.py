@@ -6,21 +6,12 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import TINY_ARGS, run_train
+from tests.conftest import run_train, tiny_args
 
 
 def _args(tmp_path, run_dir, *extra):
     data = tmp_path.parent / "tiny-data"  # shared by the runs of a test module
-    return [
-        *TINY_ARGS,
-        "--train_path",
-        str(data / "train.h5"),
-        "--val_path",
-        str(data / "val.h5"),
-        "--run_dir",
-        str(run_dir),
-        *extra,
-    ]
+    return tiny_args(data / "train.h5", data / "val.h5", run_dir, *extra)
 
 
 def _ok(result):
@@ -194,3 +185,9 @@ def test_profile_records_a_trace_of_the_step_phases(tmp_path):
     names = {e.get("name") for e in events}
     assert {"data_wait", "forward", "backward", "optimizer_step"} <= names
     assert sum(e.get("name") == "forward" for e in events) == 3  # the three recorded micro-steps
+
+
+def test_profile_says_when_the_run_is_too_short_for_a_trace(tmp_path):
+    result = _ok(run_train(_args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--Nsamples", "8", "--profile")))
+    assert "--profile: the run ended before the recorded micro-steps began: no trace was written" in result.stderr
+    assert not list((tmp_path / "run" / "profile").glob("rank0*"))

@@ -98,7 +98,13 @@ class Data:
     train: VolumePair
     val: VolumePair
 
-    def loaders(
+    def _loader(self, volumes: VolumePair, plan: DrawPlan, device: Device, dtype: torch.dtype, **position: int) -> Any:
+        cfg = self.cfg
+        augmenter = Augmenter(cfg.N_in_channels, cfg.N_out_channels, cfg.input_vectors, cfg.target_vectors)
+        where = torch.device(device.type, device.index)
+        return build_loader(volumes, plan, augmenter, self.settings, where, dtype, **position)
+
+    def train_loader(
         self,
         dist: DistEnv,
         micro: int,
@@ -108,11 +114,10 @@ class Data:
         dtype: torch.dtype,
         first_epoch: int = 0,
         first_batch: int = 0,
-    ) -> tuple[Any, Any]:
-        """The training loader (from ``first_batch`` of ``first_epoch``) and the validation loader of this rank."""
+    ) -> Any:
+        """This rank's training loader, from ``first_batch`` of ``first_epoch``."""
         cfg = self.cfg
-        augmenter = Augmenter(cfg.N_in_channels, cfg.N_out_channels, cfg.input_vectors, cfg.target_vectors)
-        train_plan = DrawPlan(
+        plan = DrawPlan(
             seed=cfg.seed + dist.rank,
             num_samples=steps_per_epoch * micro * accumulation,
             batch_size=micro,
@@ -120,6 +125,11 @@ class Data:
             crop_size=cfg.data_size,
             rotate=cfg.rotate,
         )
+        return self._loader(self.train, plan, device, dtype, first_epoch=first_epoch, first_batch=first_batch)
+
+    def val_loader(self, dist: DistEnv, micro: int, device: Device, dtype: torch.dtype) -> Any:
+        """This rank's share of the validation samples."""
+        cfg = self.cfg
         first, count = validation_share(cfg.Nsamples_val, micro, cfg.last_batch, dist.rank, dist.world_size)
         if count == 0:
             raise ConfigError(
@@ -128,7 +138,7 @@ class Data:
             )
         if cfg.last_batch == "drop" and count * dist.world_size != cfg.Nsamples_val:
             log.warning("validating on %d of %d samples (last_batch: drop)", count * dist.world_size, cfg.Nsamples_val)
-        val_plan = DrawPlan(
+        plan = DrawPlan(
             seed=cfg.seed,
             num_samples=count,
             batch_size=micro,
@@ -138,11 +148,7 @@ class Data:
             validation=True,
             first_index=first,
         )
-        common = dict(
-            augmenter=augmenter, settings=self.settings, device=torch.device(device.type, device.index), dtype=dtype
-        )
-        train = build_loader(self.train, train_plan, first_epoch=first_epoch, first_batch=first_batch, **common)
-        return train, build_loader(self.val, val_plan, **common)
+        return self._loader(self.val, plan, device, dtype)
 
 
 def build_data(cfg: Config, dist: DistEnv, device: Device) -> Data:

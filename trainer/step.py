@@ -30,7 +30,7 @@ PHASES = ("data_wait", "forward", "backward", "optimizer_step")
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
     """A range named ``name`` for torch.profiler and, on a GPU, for NVTX (nsys)."""
-    nvtx = torch.cuda.is_available() and torch.cuda.is_initialized()
+    nvtx = torch.cuda.is_initialized()  # a process that uses its GPU; cheap to ask on every phase
     with torch.profiler.record_function(name):
         if nvtx:
             torch.cuda.nvtx.range_push(name)
@@ -86,7 +86,7 @@ class StepGuard:
     def agree(self, *flags: torch.Tensor) -> list[bool]:
         """``flags`` (0-d tensors, nonzero for true) ORed over the ranks, this rank's stop request with them."""
         requested = float(self.stop is not None and self.stop.requested)
-        local = torch.stack([*(f.float() for f in flags), torch.tensor(requested, device=self.device)])
+        local = torch.stack([*(f.float() for f in flags), torch.full((), requested, device=self.device)])
         torch_dist.all_reduce(local, op=torch_dist.ReduceOp.MAX)
         *agreed, stop = (bool(v) for v in local.tolist())
         self.stopping = self.stopping or stop

@@ -116,16 +116,12 @@ class Trainer:
 
         # One small collective per micro-step, when asked for: non-finite loss, bad batch, stop request.
         self.guard = StepGuard(cfg, self.engine.device, stop, nonfinite_losses)
-        self.train_loader, self.val_loader = self.data.loaders(
-            dist,
-            self.engine.train_micro_batch_size_per_gpu(),
-            self.engine.gradient_accumulation_steps(),
-            self.steps_per_epoch,
-            device,
-            self.dtype,
-            first_epoch=self.epoch,
-            first_batch=self.batch_in_epoch,
+        micro = self.engine.train_micro_batch_size_per_gpu()
+        accumulation = self.engine.gradient_accumulation_steps()
+        self.train_loader = self.data.train_loader(
+            dist, micro, accumulation, self.steps_per_epoch, device, self.dtype, self.epoch, self.batch_in_epoch
         )
+        self.val_loader = self.data.val_loader(dist, micro, device, self.dtype)
         self.runlog = RunLog(run_dir, enabled=dist.is_main)
         self.first_batch_digest: str | None = None
         self.profiler: torch.profiler.profile | None = None
@@ -158,9 +154,12 @@ class Trainer:
         log.info("profiling micro-steps 3 to %d into %s", 2 + PROFILE_STEPS, self.run_dir / PROFILE)
 
     def _stop_profiler(self) -> None:
-        if self.profiler is not None:
-            self.profiler.stop()
-            self.profiler = None
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        self.profiler = None
+        if not any((self.run_dir / PROFILE).glob(f"rank{self.dist.rank}*")):
+            log.warning("--profile: the run ended before the recorded micro-steps began: no trace was written")
 
     def _where(self) -> str:
         """The micro-step being taken, for messages."""
