@@ -1,21 +1,23 @@
-"""A synthetic universe from a cosmology: LCDM initial conditions, dark matter moved by the Zel'dovich
-approximation, and gas that follows it down to a pressure-smoothing scale.
+"""A synthetic universe from a cosmology: LCDM initial conditions, dark matter moved by Lagrangian perturbation
+theory (2LPT, or Zel'dovich alone), and gas that follows it down to a pressure-smoothing scale.
 
 1. The linear matter power spectrum P(k) of a flat LCDM cosmology (Omega_m, Omega_b, h, n_s, sigma_8) at redshift
    0, from colossus's Eisenstein & Hu (1998) transfer function with baryon oscillations, normalized to sigma_8, and
    the linear growth factor D(z). colossus is a small pure-Python package (with SciPy); CAMB or CLASS would be
    about 1% more accurate on these scales at the cost of a compiled code and seconds per spectrum.
 2. A Gaussian field with spectrum D(z)^2 P(k) on the periodic grid (cell ``cell_mpc_h`` Mpc/h): the linear density
-   delta_k and the Zel'dovich displacement psi_k = i k / k^2 delta_k.
+   delta_k, the Zel'dovich displacement psi1_k = i k / k^2 delta_k and (``lpt_order`` 2) the second-order one.
 3. One particle per cell, moved to x = q + psi(q); cloud-in-cell deposit of their mass (the dark-matter density
-   rho / rho_mean) and of their momentum (the mass-weighted velocity, v = f psi in units of a H, f = Omega_m(z)^0.55).
+   rho / rho_mean) and of their momentum (the mass-weighted velocity, v = f1 psi1 + f2 psi2 in units of a H).
 4. Gas: the dark-matter density and momentum filtered with exp(-k^2 lambda^2 / 2) at the Jeans-like scale
    ``jeans_mpc_h`` (pressure smoothing); temperature from T = T0 (rho_gas)^(gamma - 1) with a log-normal scatter,
    times 1 + (T_shock / T0) (rho_gas / ``shock_density`` - 1) c where the gas is denser than ``shock_density`` and
-   converging at c standard deviations of -div v (a shock-heated phase that grows continuously with both).
+   converging at c times the expected linear rms of -div v (a shock-heated phase that grows continuously with both,
+   a function of the gas's own state: the same region heats alike in any box).
 
-Normalized the reference's way: densities as log(rho) / 14, velocities over ``velocity_unit_sigmas`` times the
-expected linear rms of one component, temperature as log10(T / T0) / ``temperature_log_range``.
+Everything is float32 and released as soon as used (a 512^3 box peaks near 9 GB). Normalized the reference's way:
+densities as log(rho) / 14, velocities over ``velocity_unit_sigmas`` times the expected linear rms of one component,
+temperature as log10(T / T0) / ``temperature_log_range``.
 """
 
 from __future__ import annotations
@@ -49,67 +51,125 @@ def linear_power(k_h_mpc: np.ndarray, spec) -> np.ndarray:
     return out
 
 
+def _omega_m_at(spec) -> float:
+    a3 = (1 + spec.redshift) ** 3
+    return spec.omega_m * a3 / (spec.omega_m * a3 + 1 - spec.omega_m)
+
+
 def growth_rate(spec) -> float:
     """f = dln D / dln a, by the usual Omega_m(z)^0.55."""
-    a3 = (1 + spec.redshift) ** 3
-    omega_mz = spec.omega_m * a3 / (spec.omega_m * a3 + 1 - spec.omega_m)
-    return omega_mz**0.55
+    return _omega_m_at(spec) ** 0.55
 
 
 def _wavevectors(n: int, cell: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Wavevectors of the rfft grid in h/Mpc."""
-    k1 = 2 * np.pi * np.fft.fftfreq(n, d=cell)
-    return k1[:, None, None], k1[None, :, None], (2 * np.pi * np.fft.rfftfreq(n, d=cell))[None, None, :]
+    """Wavevectors of the rfft grid in h/Mpc, float32 (the grids are float32: a 512^3 box fits in 24 GB)."""
+    k1 = (2 * np.pi * np.fft.fftfreq(n, d=cell)).astype(np.float32)
+    kz = (2 * np.pi * np.fft.rfftfreq(n, d=cell)).astype(np.float32)
+    return k1[:, None, None], k1[None, :, None], kz[None, None, :]
+
+
+def _k_squared(n: int, cell: float) -> np.ndarray:
+    kx, ky, kz = _wavevectors(n, cell)
+    return kx**2 + ky**2 + kz**2
+
+
+def _inverse(k2: np.ndarray) -> np.ndarray:
+    return np.divide(1.0, k2, out=np.zeros_like(k2), where=k2 > 0)
+
+
+def _real(field_k: np.ndarray, n: int) -> np.ndarray:
+    return np.fft.irfftn(field_k, s=(n, n, n), axes=(0, 1, 2))
 
 
 def linear_density_k(spec, n: int, seed: int) -> np.ndarray:
-    """Fourier modes (rfftn layout) of the linear density contrast on the n^3 grid, at the spec's redshift."""
+    """Fourier modes (rfftn layout, complex64) of the linear density contrast on the n^3 grid, at the spec's
+    redshift."""
     cell = spec.cell_mpc_h
-    kx, ky, kz = _wavevectors(n, cell)
-    k = np.sqrt(kx**2 + ky**2 + kz**2)
     volume = (n * cell) ** 3
+    noise = np.fft.rfftn(np.random.default_rng(seed).standard_normal((n, n, n), dtype=np.float32))
     # White noise of unit variance per cell has |W_k|^2 = n^3 on average: scale to <|delta_k|^2> = P(k) n^6 / V.
-    noise = np.fft.rfftn(np.random.default_rng(seed).standard_normal((n, n, n)))
-    return noise * np.sqrt(linear_power(k, spec) * n**3 / volume)
+    k = np.sqrt(_k_squared(n, cell))
+    for plane in range(n):  # plane by plane: the float64 spectrum of the whole grid would be twice its size
+        noise[plane] *= np.sqrt(linear_power(k[plane], spec) * n**3 / volume).astype(np.float32)
+    return noise
+
+
+def _second_order_source_k(delta_k: np.ndarray, n: int, cell: float) -> np.ndarray:
+    """Fourier modes of sum_{i>j} (phi_ii phi_jj - phi_ij^2), phi the potential with laplacian delta, computed
+    with three of its six second derivatives in memory at a time."""
+    kx, ky, kz = _wavevectors(n, cell)
+    k = (kx, ky, kz)
+    scaled = delta_k * _inverse(_k_squared(n, cell))  # phi_ij = irfft(k_i k_j delta_k / k^2)
+    diagonal = [_real(scaled * (k[i] * k[i]), n) for i in range(3)]
+    source = diagonal[0] * diagonal[1] + diagonal[0] * diagonal[2] + diagonal[1] * diagonal[2]
+    del diagonal
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        source -= _real(scaled * (k[i] * k[j]), n) ** 2
+    return np.fft.rfftn(source)
+
+
+def displacement(spec, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Lagrangian displacement psi (3, n, n, n) in Mpc/h of the particle at each cell, and the velocity v
+    (3, n, n, n) in units of a H Mpc/h, both float32: Zel'dovich (psi1 = i k / k^2 delta_k), plus with
+    ``lpt_order`` 2 the second-order term psi2 = -3/7 grad laplacian^-1 of the source above (D2 = -3/7 D1^2), whose
+    growth rate is f2 = 2 Omega_m(z)^(6/11)."""
+    cell = spec.cell_mpc_h
+    delta_k = linear_density_k(spec, n, seed)
+    k = _wavevectors(n, cell)
+    inv_k2 = _inverse(_k_squared(n, cell))
+    second_k = _second_order_source_k(delta_k, n, cell) * inv_k2 if spec.lpt_order == 2 else None
+    f1, f2 = growth_rate(spec), 2 * _omega_m_at(spec) ** (6 / 11)
+    psi = np.empty((3, n, n, n), dtype=np.float32)
+    velocity = np.empty_like(psi)
+    for axis in range(3):
+        psi[axis] = _real(1j * k[axis] * inv_k2 * delta_k, n)
+        velocity[axis] = f1 * psi[axis]
+        if second_k is not None:
+            psi2 = _real((-3 / 7) * -1j * k[axis] * second_k, n)
+            psi[axis] += psi2
+            velocity[axis] += f2 * psi2
+    return psi, velocity
 
 
 _SLAB = 16  # planes of particles deposited at a time: bounds the deposit's memory to a few n^2 x 16 arrays
 
 
-def _deposit(psi: np.ndarray, cell: float, velocity_factor: float) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Cloud-in-cell deposit of one particle per cell, moved from its cell q to q + psi(q) (psi (3, n, n, n) in Mpc/h,
-    periodic): the density rho / rho_mean and the three momentum components (mass times v = velocity_factor psi).
-    Particles go slab by slab of ``_SLAB`` planes, so that memory stays a few grids, whatever n."""
+def _deposit(psi: np.ndarray, velocity: np.ndarray, cell: float) -> np.ndarray:
+    """Cloud-in-cell deposit of one particle per cell, moved from its cell q to q + psi(q) (periodic): the density
+    rho / rho_mean and the three momentum components (4, n, n, n), float32. Particles go slab by slab of ``_SLAB``
+    planes into a window of the planes they reach, so that memory stays the four grids and a few slabs."""
     n = psi.shape[1]
-    grids = np.zeros((4, n**3))  # mass, then momentum along x, y, z
+    grids = np.zeros((4, n, n, n), dtype=np.float32)  # mass, then momentum along x, y, z
     plane = np.stack(np.meshgrid(np.arange(n), np.arange(n), indexing="ij")).reshape(2, -1)
     for start in range(0, n, _SLAB):
         planes = np.arange(start, min(start + _SLAB, n))
         q = np.concatenate([np.repeat(planes, n * n)[None], np.tile(plane, len(planes))]).astype(np.float64)
-        displacement = psi[:, planes].reshape(3, -1)
-        position = q + displacement / cell
+        position = q + psi[:, planes].reshape(3, -1) / cell
+        values = np.concatenate([np.ones((1, position.shape[1])), velocity[:, planes].reshape(3, -1)])
         base = np.floor(position)
         frac = position - base
         base = base.astype(np.int64)
-        values = np.concatenate([np.ones((1, base.shape[1])), velocity_factor * displacement])
+        lo = int(base[0].min())
+        width = int(base[0].max()) + 2 - lo  # the x planes this slab's particles reach, unwrapped
+        window = np.zeros((4, width * n * n))
         for corner in range(8):
             offset = np.array([(corner >> 2) & 1, (corner >> 1) & 1, corner & 1])[:, None]
             w = np.prod(np.where(offset, frac, 1 - frac), axis=0)
-            idx = (base + offset) % n
-            flat = (idx[0] * n + idx[1]) * n + idx[2]
+            idx = base + offset
+            flat = ((idx[0] - lo) * n + idx[1] % n) * n + idx[2] % n
             for g in range(4):
-                grids[g] += np.bincount(flat, weights=w * values[g], minlength=n**3)
-    grids = grids.reshape(4, n, n, n)
-    return grids[0], [grids[1], grids[2], grids[3]]
+                window[g] += np.bincount(flat, weights=w * values[g], minlength=width * n * n)
+        window = window.reshape(4, width, n, n)
+        for i in range(width):  # planes wrap around the box
+            grids[:, (lo + i) % n] += window[:, i]
+    return grids
 
 
 def _smooth(field: np.ndarray, scale_cells: float) -> np.ndarray:
     if scale_cells <= 0:
         return field
-    n = field.shape[0]
-    kx, ky, kz = _wavevectors(n, 1.0)
-    kernel = np.exp(-(kx**2 + ky**2 + kz**2) * scale_cells**2 / 2)
-    return np.fft.irfftn(np.fft.rfftn(field) * kernel, s=field.shape, axes=(0, 1, 2))
+    kernel = np.exp(-_k_squared(field.shape[0], 1.0) * np.float32(scale_cells**2 / 2))
+    return _real(np.fft.rfftn(field) * kernel, field.shape[0])
 
 
 def expected_velocity_rms(spec) -> float:
@@ -118,42 +178,50 @@ def expected_velocity_rms(spec) -> float:
     return growth_rate(spec) * math.sqrt(np.trapezoid(linear_power(k, spec), k) / (6 * np.pi**2))
 
 
+def expected_divergence_rms(spec) -> float:
+    """Expected rms of the linear velocity divergence smoothed at the Jeans scale (units of a H): theta = -f delta,
+    so f^2 integral P(k) exp(-k^2 lambda^2) k^2 dk / (2 pi^2), up to the grid's Nyquist wavenumber. The unit of the
+    compression that heats the gas: a fixed number, so that a region's temperature does not depend on the box."""
+    k = np.logspace(-4, math.log10(math.pi / spec.cell_mpc_h), 4000)
+    integrand = linear_power(k, spec) * np.exp(-((k * spec.jeans_mpc_h) ** 2)) * k**2
+    return growth_rate(spec) * math.sqrt(np.trapezoid(integrand, k) / (2 * np.pi**2))
+
+
 def generate_lcdm_box(spec, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """One box: (Nbody (4, n, n, n), Hydro (5, n, n, n)), float32, normalized. Deterministic in (spec, n, seed)."""
-    shape = (n, n, n)
+    """One box: (Nbody (4, n, n, n), Hydro (5, n, n, n)), float32, normalized. Deterministic in (spec, n, seed).
+    Peak memory about 24 n^3 floats (13 GB at 512^3)."""
     cell = spec.cell_mpc_h
-    delta_k = linear_density_k(spec, n, seed)
-    kx, ky, kz = _wavevectors(n, cell)
-    k2 = kx**2 + ky**2 + kz**2
-    inv_k2 = np.divide(1.0, k2, out=np.zeros_like(k2), where=k2 > 0)
-    psi = np.stack([np.fft.irfftn(1j * kc * inv_k2 * delta_k, s=shape, axes=(0, 1, 2)) for kc in (kx, ky, kz)])
-    del delta_k
-    rho, momentum = _deposit(psi, cell, growth_rate(spec))  # rho has mean 1: one particle per cell
-    del psi
-    v_dm = [np.divide(p, rho, out=np.zeros_like(p), where=rho > 0) for p in momentum]
+    psi, velocity = displacement(spec, n, seed)
+    grids = _deposit(psi, velocity, cell)  # rho has mean 1: one particle per cell
+    del psi, velocity
+    rho, momentum = grids[0], grids[1:]
+    v_unit = np.float32(spec.velocity_unit_sigmas * expected_velocity_rms(spec))
+    nbody = np.empty((4, n, n, n), dtype=np.float32)
+    nbody[0] = np.log(np.maximum(rho, _DENSITY_FLOOR)) / LOG_DENSITY_SCALE
+    for axis in range(3):
+        nbody[1 + axis] = np.divide(momentum[axis], rho * v_unit, out=np.zeros_like(rho), where=rho > 0)
 
     jeans = spec.jeans_mpc_h / cell
+    hydro = np.empty((5, n, n, n), dtype=np.float32)
     rho_gas = np.maximum(_smooth(rho, jeans), _DENSITY_FLOOR)
-    v_gas = [_smooth(p, jeans) / rho_gas for p in momentum]
-    divergence = sum(
-        np.fft.irfftn(1j * kc * np.fft.rfftn(v), s=shape, axes=(0, 1, 2))
-        for kc, v in zip((kx, ky, kz), v_gas, strict=True)
-    )
-    scatter = np.random.default_rng(seed + 2**31).standard_normal(shape) * spec.temperature_scatter_dex
+    del grids, rho
+    k = _wavevectors(n, cell)  # h/Mpc: the divergence in units of a H
+    divergence_k = 0
+    for axis in range(3):
+        hydro[1 + axis] = _smooth(momentum[axis], jeans) / rho_gas
+        divergence_k = divergence_k + 1j * k[axis] * np.fft.rfftn(hydro[1 + axis])
+        hydro[1 + axis] /= v_unit
+    del momentum
+    hydro[0] = np.log(rho_gas) / LOG_DENSITY_SCALE
+    compression = _real(divergence_k, n)
+    del divergence_k
+    compression = np.maximum(compression / np.float32(-expected_divergence_rms(spec)), 0.0)
     # Shock heating grows continuously from the density threshold and with the rate of compression, so that the hot
     # phase is a function of the gas's state (which a network can learn), not a step at a threshold.
-    compression = np.maximum(-divergence / divergence.std(), 0.0)
-    heating = (spec.T_shock / spec.T0) * np.maximum(rho_gas / spec.shock_density - 1, 0.0) * compression
-    temperature = spec.T0 * rho_gas ** (spec.gamma - 1) * 10**scatter * (1 + heating)
-
-    v_unit = spec.velocity_unit_sigmas * expected_velocity_rms(spec)
-    log_density = np.log(np.maximum(rho, _DENSITY_FLOOR)) / LOG_DENSITY_SCALE
-    nbody = np.stack([log_density, *(v / v_unit for v in v_dm)])
-    hydro = np.stack(
-        [
-            np.log(rho_gas) / LOG_DENSITY_SCALE,
-            *(v / v_unit for v in v_gas),
-            np.log10(temperature / spec.T0) / spec.temperature_log_range,
-        ]
-    )
-    return nbody.astype(np.float32), hydro.astype(np.float32)
+    heating = np.maximum(rho_gas / np.float32(spec.shock_density) - 1, 0.0) * compression
+    heating *= np.float32(spec.T_shock / spec.T0)
+    del compression
+    scatter = np.random.default_rng(seed + 2**31).standard_normal((n, n, n), dtype=np.float32)
+    hydro[4] = (spec.gamma - 1) * np.log10(rho_gas) + spec.temperature_scatter_dex * scatter + np.log10(1 + heating)
+    hydro[4] /= spec.temperature_log_range
+    return nbody, hydro

@@ -41,7 +41,7 @@ def _param(default: float, help: str) -> Any:
 
 # The settings only one universe reads (with "universe" itself, left out of a toy box's description).
 _LCDM_ONLY = ("universe", "omega_m", "omega_b", "h", "n_s", "sigma8", "redshift", "cell_mpc_h", "jeans_mpc_h", "T0")
-_LCDM_ONLY += ("temperature_scatter_dex", "shock_density", "T_shock")
+_LCDM_ONLY += ("temperature_scatter_dex", "shock_density", "T_shock", "lpt_order")
 _TOY_ONLY = ("k_peak", "k_cut", "sigma_log_density", "gas_smoothing", "shock_heating")
 
 
@@ -74,10 +74,13 @@ class SyntheticSpec:
     jeans_mpc_h: float = _param(1.5, "lcdm: Gaussian pressure-smoothing scale of the gas, in Mpc/h")
     T0: float = _param(1e4, "lcdm: temperature at mean gas density, in K")
     temperature_scatter_dex: float = _param(0.03, "lcdm: log-normal scatter around T0 rho^(gamma - 1), in dex")
-    shock_density: float = _param(3.0, "lcdm: gas density above which converging gas is shock-heated")
+    shock_density: float = _param(1.5, "lcdm: gas density above which converging gas is shock-heated")
     T_shock: float = _param(
-        1e6, "lcdm: shock heating multiplies T by 1 + (T_shock / T0) (rho / shock_density - 1) (compression in sigmas)"
+        1e5,
+        "lcdm: shock heating multiplies T by 1 + (T_shock / T0) (rho / shock_density - 1) c, c the compression -div v "
+        "over its expected linear rms",
     )
+    lpt_order: int = _param(2, "lcdm: Lagrangian perturbation theory of the displacement: 1 (Zel'dovich) or 2 (2LPT)")
 
     def problem(self) -> str | None:
         """What makes this spec unusable, in words; None when it is fine."""
@@ -89,6 +92,8 @@ class SyntheticSpec:
             return f"gamma must be finite, got {self.gamma}"
         if self.universe not in ("toy", "lcdm"):
             return f"universe must be toy or lcdm, got {self.universe!r}"
+        if self.lpt_order not in (1, 2):
+            return f"lpt_order must be 1 or 2, got {self.lpt_order}"
         # sigma_log_density 0 would make a uniform box, whose velocities are 0/0
         positive = ("k_peak", "k_cut", "sigma_log_density", "velocity_unit_sigmas", "temperature_log_range")
         positive += ("omega_m", "omega_b", "h", "n_s", "sigma8", "cell_mpc_h", "T0", "shock_density", "T_shock")
