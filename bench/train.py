@@ -32,7 +32,7 @@ import torch.distributed as torch_dist
 
 from bench.env import REPO, append_records, environment
 from bench.flops import model_flops, utilization
-from model import UNet, unet_loss
+from model import Loss, UNet
 from pipeline.cli import output_file
 from trainer.build import Data, Engine, build_data, build_engine, prepare_data
 from trainer.config import Config, build_config, config_parser, load_named, parse_config_options
@@ -119,9 +119,8 @@ class Case:
         self.engine = engine = built.engine
         self.accumulation = engine.gradient_accumulation_steps()
         self.micro = engine.train_micro_batch_size_per_gpu()
-        self.guard = StepGuard(
-            cfg, engine.device, stop=None
-        )  # the trainer's agreement on each step, where it makes one
+        self.guard = StepGuard(cfg, engine.device, stop=None)  # the trainer's agreement on each step, if it makes one
+        self.loss_fn = Loss.of(cfg)
         # the training loader only: the benchmark validates nothing
         self.train_loader = data.train_loader(
             dist, self.micro, self.accumulation, built.steps_per_epoch, device, built.dtype
@@ -172,7 +171,7 @@ class Case:
             # The training loop's step and checks (one reduction and host sync where the config asks for them);
             # marks at the end of each phase while timing.
             proceed = self.guard.proceed(inp, tar, lambda: f"step {engine.global_steps}")
-            micro_step(engine, inp, tar, self.cfg.lambda_rho, proceed, marks.mark if marks.steps else None)
+            micro_step(engine, inp, tar, self.loss_fn, proceed, marks.mark if marks.steps else None)
         return wait
 
     def plain(self) -> Callable[[Marks], float]:
@@ -203,7 +202,7 @@ class Case:
                 if marks.steps:
                     marks.mark("start")
                 with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
-                    loss = unet_loss(model(inp), tar, cfg.lambda_rho) / self.accumulation
+                    loss = self.loss_fn(model(inp), tar) / self.accumulation
                 if marks.steps:
                     marks.mark("forward")
                 scaler.scale(loss).backward()

@@ -1,23 +1,72 @@
-"""The one loss of the project: L1, plus optionally L1 on gas density in original space."""
+"""The one loss of the project: L1 (the reference's), plus two optional terms, both off by default.
+
+- ``lambda_rho``: L1 on gas density in original space (channel 0 holds log(rho) / 14), weighting dense regions.
+- ``lambda_pk``: the power spectra of the batch's predicted and true crops compared shell by shell of |k|: per
+  channel, sum_k |P_pred(k) - P_true(k)| / sum_k P_true(k), averaged over the channels. L1 regression predicts a
+  conditional median, which smooths: what it cannot place exactly it leaves out, and the predicted fields lose
+  power. This term asks for the right amount of fluctuation at each scale whatever its phase, the remedy of
+  spectral losses in field-level emulators. Relative to the channel's total power, so that shells where the truth
+  has next to none (beyond a smoothing scale) weigh what the prediction puts there, not a ratio of two near-zero
+  numbers, and a channel's term is 1 for a prediction without fluctuations.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
 
 import torch
 
 from pipeline.layout import LOG_DENSITY_SCALE
 
+POWER_FLOOR = 1e-12  # a truth without fluctuations (a constant crop): its total power is taken as this
 
-def unet_loss(pred: torch.Tensor, target: torch.Tensor, lambda_rho: float = 0.0) -> torch.Tensor:
-    """Mean absolute error over all channels, plus ``lambda_rho`` times that of exp(14 x) on channel 0.
 
-    Channel 0 holds log(rho) / 14; the second term compares densities themselves, weighting dense
-    regions. It is computed in float32 whatever the training precision: exp(14 x) overflows float16
-    above x = 0.79.
-    """
-    pred, target = pred.float(), target.float()
-    loss = (pred - target).abs().mean()
-    if lambda_rho:
-        rho_pred = torch.exp(LOG_DENSITY_SCALE * pred[:, 0])
-        rho_target = torch.exp(LOG_DENSITY_SCALE * target[:, 0])
-        loss = loss + lambda_rho * (rho_pred - rho_target).abs().mean()
-    return loss
+@functools.cache
+def _shells(size: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Shell index (nearest integer |k|, in units of the crop's fundamental mode) of each rfft mode of a crop, the
+    modes per shell, and the number of shells (1 to half the smallest side; 0 collects k = 0 and the corners)."""
+    freqs = [torch.fft.fftfreq(n, d=1.0 / n) for n in size[:-1]] + [torch.fft.rfftfreq(size[-1], d=1.0 / size[-1])]
+    grid = torch.meshgrid(*freqs, indexing="ij")
+    k = torch.sqrt(sum(f**2 for f in grid)).round().long()
+    shells = min(size) // 2
+    index = torch.where(k <= shells, k, 0).flatten().to(device)
+    counts = torch.bincount(index, minlength=shells + 1).to(torch.float32)
+    return index, counts, shells
+
+
+def crop_power(x: torch.Tensor) -> torch.Tensor:
+    """Power per channel and shell of |k| (C, shells) of a batch of crops (B, C, D, H, W), averaged over the batch
+    and the shell's modes; shells 1 to half the crop's side (k = 0, the mean, is left out)."""
+    index, counts, shells = _shells(tuple(x.shape[2:]), x.device)
+    modes = torch.fft.rfftn(x, dim=(2, 3, 4), norm="ortho").abs().square().mean(0).flatten(1)
+    power = torch.zeros(x.shape[1], shells + 1, device=x.device).index_add_(1, index, modes)
+    return (power / counts)[:, 1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """Mean absolute error over all channels, plus the optional terms above. Computed in float32 whatever the
+    training precision: exp(14 x) overflows float16 above x = 0.79, and so do powers of a crop."""
+
+    lambda_rho: float = 0.0
+    lambda_pk: float = 0.0
+
+    @classmethod
+    def of(cls, cfg: Any) -> Loss:
+        """The loss a training config asks for (its ``lambda_rho`` and ``lambda_pk``)."""
+        return cls(cfg.lambda_rho, cfg.lambda_pk)
+
+    def __call__(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        pred, target = pred.float(), target.float()
+        loss = (pred - target).abs().mean()
+        if self.lambda_rho:
+            rho_pred = torch.exp(LOG_DENSITY_SCALE * pred[:, 0])
+            rho_target = torch.exp(LOG_DENSITY_SCALE * target[:, 0])
+            loss = loss + self.lambda_rho * (rho_pred - rho_target).abs().mean()
+        if self.lambda_pk:
+            p_pred, p_true = crop_power(pred), crop_power(target)
+            total = p_true.sum(dim=1).clamp_min(POWER_FLOOR)
+            loss = loss + self.lambda_pk * ((p_pred - p_true).abs().sum(dim=1) / total).mean()
+        return loss

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from model import UNet, unet_loss
+from model import Loss, UNet
 from pipeline.crops import CropBatcher
 from pipeline.loaders import LoaderSettings, build_loader, dali_installed, to_device
 from pipeline.sampling import Augmenter, DrawPlan
@@ -90,7 +90,7 @@ def test_channels_last_gradients_match_the_plain_path():
     for inp in (x, x.contiguous(memory_format=CHANNELS_LAST)):
         net.zero_grad()
         out = net(inp)
-        unet_loss(out, y).backward()
+        Loss()(out, y).backward()
         grads.append([p.grad.clone() for p in net.parameters()])
         if inp.is_contiguous(memory_format=CHANNELS_LAST):
             assert out.is_contiguous(memory_format=CHANNELS_LAST)  # the format carries through the network
@@ -160,7 +160,7 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
     x = torch.randn(4, 4, 32, 32, 32, device=engine.device).contiguous(memory_format=CHANNELS_LAST)
     y = torch.rand(4, 5, 32, 32, 32, device=engine.device) - 0.5
     for _ in range(2):  # warm-up: first calls set things up
-        micro_step(engine, x, y, 0.0)
+        micro_step(engine, x, y, Loss())
     torch.cuda.synchronize()
 
     def no_sync(*args, **kwargs):
@@ -169,7 +169,7 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = micro_step(engine, x, y, 0.0)
+        loss = micro_step(engine, x, y, Loss())
     finally:
         torch.cuda.set_sync_debug_mode("default")
         monkeypatch.undo()
@@ -178,7 +178,7 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
 
 SINGLE_RANK_STEPS = """
 import torch, deepspeed
-from model import UNet
+from model import Loss, UNet
 from tests.conftest import REPO
 from trainer.dist import DistEnv
 from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
@@ -200,7 +200,7 @@ gen = torch.Generator().manual_seed(1)
 for _ in range(4):  # two optimizer steps of two micro-batches
     x, y = torch.randn(2, 4, 8, 8, 8, generator=gen), torch.rand(2, 5, 8, 8, 8, generator=gen) - 0.5
     for engine in engines:
-        micro_step(engine, x.to(engine.device), y.to(engine.device), 0.1)
+        micro_step(engine, x.to(engine.device), y.to(engine.device), Loss(lambda_rho=0.1))
 assert engines[1].global_steps == 2 and not engines[1].enable_backward_allreduce
 reduced, skipped = ([p.detach().cpu() for p in engine.module.parameters()] for engine in engines)
 assert not all(torch.equal(p, q) for p, q in zip(reduced, initial)), "the weights did not move"
@@ -223,7 +223,7 @@ def test_one_rank_skips_the_gradient_reduction_and_trains_the_same():
 COUNTED_SYNCS = """
 import torch, deepspeed
 from deepspeed.accelerator import get_accelerator
-from model import UNet
+from model import Loss, UNet
 from tests.conftest import REPO
 from trainer.dist import DistEnv
 from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
@@ -240,7 +240,7 @@ accelerator, syncs = get_accelerator(), []
 accelerator.synchronize = lambda *args, **kwargs: syncs.append(1)
 x, y = torch.randn(2, 4, 8, 8, 8), torch.rand(2, 5, 8, 8, 8) - 0.5
 for _ in range(5):
-    micro_step(engine, x.to(engine.device), y.to(engine.device), 0.1)
+    micro_step(engine, x.to(engine.device), y.to(engine.device), Loss(lambda_rho=0.1))
 print("device syncs in 5 steps:", len(syncs))
 """
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from model import UNet, unet_loss
+from model import Loss, UNet
+from model.loss import crop_power
 from pipeline.layout import LOG_DENSITY_SCALE
 
 
@@ -51,13 +52,44 @@ def test_loss_is_l1_plus_density_term():
     torch.manual_seed(0)
     pred, target = torch.rand(2, 5, 4, 4, 4) - 0.5, torch.rand(2, 5, 4, 4, 4) - 0.5
     l1 = (pred - target).abs().mean()
-    assert unet_loss(pred, target).item() == pytest.approx(l1.item())
+    assert Loss()(pred, target).item() == pytest.approx(l1.item())
     rho = (torch.exp(LOG_DENSITY_SCALE * pred[:, 0]) - torch.exp(LOG_DENSITY_SCALE * target[:, 0])).abs().mean()
-    assert unet_loss(pred, target, lambda_rho=0.3).item() == pytest.approx((l1 + 0.3 * rho).item(), rel=1e-6)
+    assert Loss(lambda_rho=0.3)(pred, target).item() == pytest.approx((l1 + 0.3 * rho).item(), rel=1e-6)
+
+
+def test_crop_power_puts_a_plane_wave_in_its_shell():
+    x = torch.arange(16.0)
+    wave = torch.cos(2 * torch.pi * 3 * x / 16)[None, None, :, None, None].expand(2, 1, 16, 16, 16)
+    power = crop_power(wave)  # shells k = 1 .. 8
+    assert power.shape == (1, 8)
+    assert power[0, 2] > 1e6 * (power[0].sum() - power[0, 2])
+
+
+def test_power_term_measures_power_whatever_the_phase():
+    """Halving the field costs 3/4 of the power; a shifted copy (same power, other phases) costs nothing, though its
+    L1 is large: the term asks for the amount of fluctuation at each scale, L1 for its place."""
+    torch.manual_seed(0)
+    target = torch.randn(4, 5, 16, 16, 16)
+    power_only = Loss(lambda_pk=1.0)
+    l1 = Loss()
+    assert power_only(target, target).item() == pytest.approx(0.0, abs=1e-6)
+    halved = power_only(target / 2, target).item() - l1(target / 2, target).item()
+    assert halved == pytest.approx(0.75, rel=1e-4)
+    flat = torch.zeros_like(target)
+    assert power_only(flat, target).item() - l1(flat, target).item() == pytest.approx(1.0, rel=1e-4)
+    shifted = target.roll(5, dims=2)
+    assert power_only(shifted, target).item() - l1(shifted, target).item() == pytest.approx(0.0, abs=1e-5)
+    assert l1(shifted, target).item() > 1.0
+
+
+def test_power_term_has_gradients():
+    pred = torch.randn(2, 5, 8, 8, 8, requires_grad=True)
+    Loss(lambda_pk=1.0)(pred, torch.randn(2, 5, 8, 8, 8)).backward()
+    assert pred.grad is not None and torch.isfinite(pred.grad).all() and pred.grad.abs().sum() > 0
 
 
 def test_loss_density_term_does_not_overflow_in_half_precision():
     pred = torch.full((1, 5, 2, 2, 2), 0.9, dtype=torch.float16)  # exp(14 * 0.9) > float16's max
     target = torch.full((1, 5, 2, 2, 2), 0.8, dtype=torch.float16)
-    loss = unet_loss(pred, target, lambda_rho=1.0)
+    loss = Loss(lambda_rho=1.0, lambda_pk=1.0)(pred + torch.rand_like(pred) / 10, target)
     assert loss.dtype == torch.float32 and torch.isfinite(loss)

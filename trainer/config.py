@@ -160,7 +160,14 @@ class Config:
     unet_width: int = _field(64, "channels of the first U-Net level (64 in the reference)", bound="positive")
     unet_depth: int = _field(6, "U-Net levels: 6 is the reference's full_scale: True, 5 its full_scale: False")
     weight_init: WeightInit = _field(WeightInit(), "initialization of the network")
-    lambda_rho: float = _field(0.0, "weight of the extra L1 term on gas density in original space")
+    lambda_rho: float = _field(
+        0.0, "weight of the extra L1 term on gas density in original space", bound="non-negative"
+    )
+    lambda_pk: float = _field(
+        0.0,
+        "weight of the loss term on the crops' power spectra (mean |log P_pred - log P_true| per shell of k)",
+        bound="non-negative",
+    )
     # Optimization
     num_epochs: int = _field(10, "training epochs", bound="positive")
     global_batch_size: int = _field(64, "samples per optimizer step, over all ranks", bound="positive")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from model import unet_loss
+from model import Loss
 from pipeline.volumes import DataError
 from trainer.config import Config
 from trainer.errors import NumericalError
@@ -45,7 +45,7 @@ def micro_step(
     engine: Any,
     inp: torch.Tensor,
     tar: torch.Tensor,
-    lambda_rho: float,
+    loss_fn: Loss,
     proceed: Callable[[torch.Tensor], bool] | None = None,
     mark: Callable[[str], None] | None = None,
 ) -> torch.Tensor | None:
@@ -56,7 +56,7 @@ def micro_step(
     (the benchmark's timers). Returns the loss still on the device: reading it here would synchronize every step.
     """
     with phase("forward"):
-        loss = unet_loss(engine(inp), tar, lambda_rho)
+        loss = loss_fn(engine(inp), tar)
     if proceed is not None and not proceed(loss):
         return None
     if mark is not None:

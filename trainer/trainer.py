@@ -24,7 +24,7 @@ import torch.distributed as torch_dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from model import unet_loss
+from model import Loss
 from model.metrics import Normalization, compare
 from model.tiling import predict_box
 from trainer.build import build_data, build_engine
@@ -46,12 +46,12 @@ PROFILE_STEPS = 3  # micro-steps a --profile trace records, after one skipped an
 
 
 @torch.no_grad()
-def evaluate(engine: Any, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], lambda_rho: float) -> float:
+def evaluate(engine: Any, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: Loss) -> float:
     """Mean validation loss per sample over all ranks (one reduction of [sum, count])."""
     engine.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
     for inp, tar in loader:
-        totals[0] += unet_loss(engine(inp), tar, lambda_rho) * inp.shape[0]
+        totals[0] += loss_fn(engine(inp), tar) * inp.shape[0]
         totals[1] += inp.shape[0]
     engine.train()
     torch_dist.all_reduce(totals)
@@ -116,6 +116,7 @@ class Trainer:
 
         # One small collective per micro-step, when asked for: non-finite loss, bad batch, stop request.
         self.guard = StepGuard(cfg, self.engine.device, stop, nonfinite_losses)
+        self.loss_fn = Loss.of(cfg)
         micro = self.engine.train_micro_batch_size_per_gpu()
         accumulation = self.engine.gradient_accumulation_steps()
         self.train_loader = self.data.train_loader(
@@ -254,7 +255,7 @@ class Trainer:
             cfg.global_batch_size,
         )
         if self.initial_val_loss is None:
-            self.initial_val_loss = evaluate(engine, self.val_loader, cfg.lambda_rho)
+            self.initial_val_loss = evaluate(engine, self.val_loader, self.loss_fn)
             self.runlog.write(0, epoch=0, **{"loss/valid": self.initial_val_loss})
             log.info("initial validation loss %.5f", self.initial_val_loss)
 
@@ -269,7 +270,7 @@ class Trainer:
                 stopped = self._train_epoch(intervals, show_bar)
                 if stopped:
                     break
-                val_loss = evaluate(engine, self.val_loader, cfg.lambda_rho)
+                val_loss = evaluate(engine, self.val_loader, self.loss_fn)
                 self.runlog.write(engine.global_steps, epoch=self.epoch + 1, **{"loss/valid": val_loss})
                 log.info("epoch %d/%d: validation loss %.5f", self.epoch + 1, cfg.num_epochs, val_loss)
                 if cfg.science_every_epochs and (self.epoch + 1) % cfg.science_every_epochs == 0:
@@ -350,7 +351,7 @@ class Trainer:
             if self.first_batch_digest is None:  # once per run: which crops this rank drew
                 self.first_batch_digest = hashlib.sha256(inp.float().cpu().numpy().tobytes()).hexdigest()
             step_before = engine.global_steps
-            loss = micro_step(engine, inp, tar, cfg.lambda_rho, self.guard.proceed(inp, tar, self._where))
+            loss = micro_step(engine, inp, tar, self.loss_fn, self.guard.proceed(inp, tar, self._where))
             if self.profiler is not None:
                 self.profiler.step()
             if loss is None:
