@@ -1,4 +1,5 @@
-"""Figures for people who would rather look than read: central slices and the spectra comparison."""
+"""Figures for people who would rather look than read: central slices, the spectra comparison, and the gas's
+one-point statistics (density PDF, temperature-density plane)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,48 @@ def spectra(metrics: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=8)
     left.set(ylabel="P_pred(k) / P_true(k)", title="Power spectrum ratio (clipped at the axis)")
     right.set(ylabel="r(k) = P_x / sqrt(P_pred P_true)", title="Cross-correlation (clipped at the axis)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def phases(metrics: dict[str, Any], path: Path) -> Path:
+    """The one-point PDF of log10 gas density, true and predicted, and the temperature-density plane of each (the
+    fraction of voxels per bin, on one logarithmic colour scale), the true median relation drawn on both."""
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    pdf, plane, relation = (
+        metrics["log_density_pdf"],
+        metrics["temperature_density_plane"],
+        metrics["temperature_density"],
+    )
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    centers = np.asarray(pdf["edges"])
+    centers = (centers[1:] + centers[:-1]) / 2
+    axes[0].plot(centers, pdf["true"], label="true", color="k")
+    axes[0].plot(centers, pdf["pred"], label="predicted", color="C1", linestyle="--")
+    axes[0].set(
+        yscale="log",
+        xlabel="log10 (gas density / mean)",
+        ylabel="probability density",
+        title=f"gas density PDF (L1 distance {pdf['l1_distance']:.3f})",
+    )
+    axes[0].legend(fontsize=8)
+    x_edges, y_edges = np.asarray(plane["log10_density_edges"]), np.asarray(plane["log10_T_edges"])
+    counts = [np.asarray(plane[key]) for key in ("true", "pred")]
+    positive = np.concatenate([c[c > 0] for c in counts])
+    norm = LogNorm(vmin=positive.min(), vmax=positive.max()) if positive.size else None
+    bins = np.asarray(relation["log10_density_edges"])
+    median = np.array([np.nan if v is None else v for v in relation["median_log10_T_true"]], dtype=float)
+    units = "log10 (T / T0)" if metrics.get("temperature_units") == "T / T0" else "temperature, normalized"
+    for ax, count, title in zip(axes[1:], counts, ("true", "predicted"), strict=True):
+        shown = ax.pcolormesh(x_edges, y_edges, count.T, norm=norm, cmap="magma_r")
+        ax.plot((bins[1:] + bins[:-1]) / 2, median, color="C0", lw=1.2, label="true median")
+        ax.set(xlabel="log10 (gas density / mean)", ylabel=units, title=f"temperature-density plane, {title}")
+        ax.legend(fontsize=8, loc="upper left")
+        fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).set_label("fraction of voxels", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

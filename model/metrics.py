@@ -5,9 +5,11 @@
   ratio P_pred(k) / P_true(k) and the cross-correlation coefficient r(k) = P_x / sqrt(P_pred P_true),
   in shells of |k| (k in units of the box's fundamental mode 2 pi / L, up to the Nyquist mode L/2);
 - the one-point PDF of log10 gas density;
-- the temperature-density relation: the median log10 T in bins of log10 density;
+- the temperature-density relation: the median log10 T in bins of log10 density, and the whole plane (2D
+  histograms, true and predicted);
 - summaries of P_pred / P_true and r(k): their medians over named ranges of k (``k_ranges``: large scales,
-  intermediate, small scales up to Nyquist), so that a few shells far off cannot hide a range's typical value.
+  intermediate, small scales up to Nyquist), so that a few shells far off cannot hide a range's typical value;
+- the science target (``target``): every shell up to a quarter of Nyquist within 10% in power and r >= 0.95.
 
 Power spectra are of the contrast f / mean(f) - 1 on the periodic grid, normalized per mode so that
 white noise of variance s^2 has P(k) = s^2 at every k.
@@ -146,8 +148,10 @@ def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int =
         "median_log10_T_true": medians["true"],
         "median_log10_T_pred": medians["pred"],
     }
+    result["temperature_density_plane"] = _plane(log_true, log_t_true, log_pred, log_t_pred, bins)
     ranges = k_ranges(len(result["gas_density"]["k"]))
     result["k_ranges"] = {name: [lo, hi] for name, (lo, hi) in ranges.items()}
+    result["target"] = science_target(result)
     result["summary"] = {}
     for field in ("gas_density", "temperature"):
         last = result[field]["truth_cutoff_k"] or len(result[field]["k"])  # shells beyond the truth's cut-off: out
@@ -156,6 +160,37 @@ def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int =
                 values = result[field][stat][lo - 1 : min(hi, last)]
                 result["summary"][f"{field}_{stat}_{name}"] = float(np.median(values)) if values else None
     return result
+
+
+def _plane(log_rho: np.ndarray, log_t: np.ndarray, log_rho_pred: np.ndarray, log_t_pred: np.ndarray, bins: int):
+    """2D histograms (fraction of voxels) of log10 T against log10 density, true and predicted, on the truth's
+    ranges (0.1 to 99.9 percentiles), for the temperature-density figure."""
+    rho_edges = np.linspace(*np.percentile(log_rho, [0.1, 99.9]), bins + 1)
+    t_edges = np.linspace(*np.percentile(log_t, [0.1, 99.9]), bins + 1)
+    planes = {}
+    for key, x, y in (("true", log_rho, log_t), ("pred", log_rho_pred, log_t_pred)):
+        counts, _, _ = np.histogram2d(x.ravel(), y.ravel(), bins=(rho_edges, t_edges))
+        planes[key] = (counts / x.size).tolist()
+    return {"log10_density_edges": rho_edges.tolist(), "log10_T_edges": t_edges.tolist(), **planes}
+
+
+# The science target: on the validation box, for k up to a quarter of Nyquist, power within 10% and r >= 0.95.
+TARGET_POWER_TOLERANCE = 0.10
+TARGET_MIN_R = 0.95
+
+
+def science_target(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Per field, over every shell from k = 1 to a quarter of Nyquist (and not beyond the truth's cut-off): the
+    lowest and highest power ratio, the lowest r, and whether all are within the target."""
+    nyquist = len(metrics["gas_density"]["k"])
+    upto = max(1, nyquist // 4)
+    target: dict[str, Any] = {"k_max": upto, "power_tolerance": TARGET_POWER_TOLERANCE, "min_r": TARGET_MIN_R}
+    for field in FIELDS:
+        last = min(upto, metrics[field]["truth_cutoff_k"] or upto)
+        ratio, r = metrics[field]["power_ratio"][:last], metrics[field]["r"][:last]
+        met = all(abs(x - 1) <= TARGET_POWER_TOLERANCE for x in ratio) and min(r) >= TARGET_MIN_R
+        target[field] = {"power_ratio_min": min(ratio), "power_ratio_max": max(ratio), "r_min": min(r), "met": met}
+    return target
 
 
 def k_ranges(nyquist: int) -> dict[str, tuple[int, int]]:
@@ -200,4 +235,15 @@ def spectra_table(metrics: dict[str, Any], max_rows: int = 32) -> str:
         row = [shown(metrics["summary"][f"{f}_{s}_{name}"]) for f in FIELDS for s in ("power_ratio", "r")]
         label = f"{name.replace('_', ' ')} (k {lo}-{hi})"
         lines.append(f"  {label:<28} gas density P/P {row[0]}, r {row[1]}; temperature P/P {row[2]}, r {row[3]}")
+    target = metrics["target"]
+    lines.append(
+        f"science target, every shell k 1-{target['k_max']}: P/P within {target['power_tolerance']:.0%}, "
+        f"r >= {target['min_r']}:"
+    )
+    for f in FIELDS:
+        t = target[f]
+        lines.append(
+            f"  {f.replace('_', ' '):<12} P/P {t['power_ratio_min']:.3f}-{t['power_ratio_max']:.3f}, "
+            f"r >= {t['r_min']:.3f}: {'met' if t['met'] else 'not met'}"
+        )
     return "\n".join(lines)

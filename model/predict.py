@@ -6,7 +6,7 @@
 
 Writes OUT/prediction.h5 (a ``Hydro`` dataset in the input's layout, its attributes copied), and
 where a true ``Hydro`` is at hand (the input file's own, or --truth) OUT/metrics.json and the
-figures OUT/slices.png and OUT/spectra.png. Tiles are cut from the input one batch at a time and
+figures OUT/slices.png, OUT/spectra.png and OUT/phases.png. Tiles are cut from the input one batch at a time and
 blended into accumulators kept on disk (float64, 48 bytes per voxel in OUT), so device and host
 memory stay bounded whatever the box size.
 """
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from model.emulator import Emulator, from_run_dir, from_weights, latest_run
-from model.figures import slices, spectra
+from model.figures import phases, slices, spectra
 from model.metrics import Normalization, compare, spectra_table
 from model.tiling import accumulate
 from pipeline.cli import ArgumentParser, existing_dir, existing_file, output_dir
@@ -119,6 +119,7 @@ def evaluate_file(prediction: Path, truth: Path, inputs: Path, out_dir: Path, la
         np.asarray(input_volume[...], dtype=np.float32), true, pred, out_dir / "slices.png", norm.temperature_log_range
     )
     spectra(metrics, out_dir / "spectra.png")
+    phases(metrics, out_dir / "phases.png")
     return metrics
 
 
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics = evaluate_file(prediction, truth, args.input, out_dir, args.npy_layout)
             log.info("L1 %.5f (mean over channels, normalized units)", metrics["l1_mean"])
             print(spectra_table(metrics), flush=True)
-            log.info("wrote %s, %s, %s", out_dir / "metrics.json", out_dir / "slices.png", out_dir / "spectra.png")
+            figures = ", ".join(str(out_dir / name) for name in ("slices.png", "spectra.png", "phases.png"))
+            log.info("wrote %s, %s", out_dir / "metrics.json", figures)
     except (DataError, FileNotFoundError, ValueError) as err:
         log.error("%s", err)
         return 2

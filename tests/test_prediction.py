@@ -157,6 +157,12 @@ def test_summaries_are_medians_over_named_k_ranges():
     table = spectra_table(metrics)
     assert "large scales (k 1-2)" in table and "gas density P/P 0.810" in table
     assert len([line for line in table.splitlines() if re.match(r"^ +\d+ ", line)]) == 16  # a row per k
+    # The science target looks at every shell up to a quarter of Nyquist (k 1-4 here): 0.81 misses it, and the
+    # temperature, the same in both boxes, meets it.
+    target = metrics["target"]
+    assert target["k_max"] == 4 and not target["gas_density"]["met"] and target["temperature"]["met"]
+    assert target["gas_density"]["power_ratio_min"] == pytest.approx(0.81, rel=1e-3)
+    assert "gas density  P/P 0.810-0.810, r >= 1.000: not met" in table and "temperature  P/P 1.000-1.000" in table
 
 
 def test_summaries_leave_out_the_shells_beyond_the_truths_cut_off():
@@ -210,7 +216,9 @@ def test_predict_command_after_training(trained, tmp_path):
     assert metrics["l1_mean"] == pytest.approx(np.abs(pred.astype(np.float64) - true).mean(), rel=1e-6)
     assert metrics["l1_mean"] < np.abs(true).mean()  # the trained model beats predicting zero
     assert {"gas_density", "temperature", "log_density_pdf", "temperature_density", "summary"} <= set(metrics)
-    for png in ("slices.png", "spectra.png"):
+    planes = metrics["temperature_density_plane"]
+    assert sum(map(sum, planes["true"])) == pytest.approx(1.0, abs=0.01)  # fractions of the voxels (0.1-99.9%)
+    for png in ("slices.png", "spectra.png", "phases.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     assert not list(out.glob(".*.npy"))  # the on-disk accumulators are gone
     # The exported file predicts the same box to the bit, without DeepSpeed's checkpoint.
