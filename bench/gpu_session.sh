@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements in one time-boxed run, most important first, for a short allocation on a GPU node: the
-# single-GPU speed table (bench.sweep --preset gpu-speed, headline cases first) until SPEED_S seconds (360) into the
+# single-GPU speed table (bench.sweep --preset gpu-speed, headline cases first) until SPEED_S seconds (300) into the
 # script, then the device paths against the CPU reference and the pipeline's throughput (bench/gpu_check.sh) for at
-# most CHECK_S (170). Records and logs go to OUT as they are measured, so a part cut short keeps what it finished;
+# most CHECK_S (150), then bench.tune on bs64_opt's micro-batch and precision for TUNE_S (90; 0 skips it). Records
+# and logs go to OUT as they are measured, so a part cut short keeps what it finished;
 # render the table of docs/benchmarks.md afterwards with `python -m bench.report --results OUT/train.jsonl`. The
 # defaults fit a 10-minute allocation.
 #
@@ -38,7 +39,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$py" -m bench.preflight --gpu || exit 2
 "$py" -m bench.preflight --dali > /dev/null 2>&1 || echo "DALI or one of its requirements is missing: torch backend only"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
-speed_s=${SPEED_S:-360}
+speed_s=${SPEED_S:-300}
 # DeepSpeed JIT-builds FusedAdam on first use (about a minute, counted in SPEED_S); where it cannot, every case
 # takes torch's fused Adam instead (merged into each case's DeepSpeed settings; the records say which).
 optimizer=()
@@ -61,7 +62,17 @@ timeout --kill-after 10 "$speed_s" "$py" -m bench.sweep --preset gpu-speed --no_
   "${optimizer[@]}" 2>&1 | tee "$out/speed.log"
 speed=${PIPESTATUS[0]}
 case $speed in 124 | 137) echo "speed sweep stopped after $speed_s s: its finished cases are in $out/train.jsonl";; esac
-PIPELINE_DATA=data/bench/gpu_train.h5 PYTHON="$py" timeout --kill-after 10 "${CHECK_S:-170}" \
+PIPELINE_DATA=data/bench/gpu_train.h5 PYTHON="$py" timeout --kill-after 10 "${CHECK_S:-150}" \
   bash bench/gpu_check.sh "$out/pipeline.jsonl" 2>&1 | tee "$out/check.log"
 check=${PIPESTATUS[0]}
-exit $((speed || check))
+tune_s=${TUNE_S:-90}
+tune=0
+if [ "$tune_s" -gt 0 ]; then
+  # on the speed sweep's synthetic boxes; the budget holds the runs, the tuner's start and writing come on top
+  "$py" -m bench.tune --config bs64_opt --budget_s "$tune_s" --stages micro_batch precision --steps 5 --repeats 1 \
+    --out "$out/bs64_opt_tuned.yaml" --overwrite --train_path data/bench/gpu_train.h5 --val_path data/bench/gpu_val.h5 \
+    --synthetic '{train_box_size: 256, val_box_size: 128, seed: 0}' --storage device --Nsamples_val 256 "${optimizer[@]}" \
+    2>&1 | tee "$out/tune.log"
+  tune=${PIPESTATUS[0]}
+fi
+exit $((speed || check || tune))
