@@ -459,8 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out must name a .yaml file, got {out}")
     if not args.overwrite and (out.exists() or out.with_suffix(".json").exists()):
         parser.error(f"{out} (or its .json) exists: pass --overwrite to replace it")
-    if args.budget_s <= 0 or args.repeats < 1 or args.steps < 1 or args.ranks < 1:
-        parser.error("--budget_s, --repeats, --steps and --ranks must be positive")
+    if min(args.budget_s, args.repeats, args.steps, args.ranks, args.micro_batches) <= 0 or args.margin < 0:
+        parser.error(
+            "--budget_s, --repeats, --steps, --ranks and --micro_batches must be positive, --margin not negative"
+        )
     extra = []
     for text in args.extra:
         settings = {}

@@ -172,19 +172,23 @@ def _smooth(field: np.ndarray, scale_cells: float) -> np.ndarray:
     return _real(np.fft.rfftn(field) * kernel, field.shape[0])
 
 
+def _linear_integral(spec, weight) -> float:
+    """integral P(k) weight(k) dk from 1e-4 h/Mpc to the grid's Nyquist wavenumber pi / cell."""
+    k = np.logspace(-4, math.log10(math.pi / spec.cell_mpc_h), 4000)
+    return float(np.trapezoid(linear_power(k, spec) * weight(k), k))
+
+
 def expected_velocity_rms(spec) -> float:
     """Expected rms of one linear velocity component (units of a H Mpc/h): f^2 / 3 integral P dk / (2 pi^2)."""
-    k = np.logspace(-4, math.log10(math.pi / spec.cell_mpc_h), 4000)
-    return growth_rate(spec) * math.sqrt(np.trapezoid(linear_power(k, spec), k) / (6 * np.pi**2))
+    return growth_rate(spec) * math.sqrt(_linear_integral(spec, np.ones_like) / (6 * np.pi**2))
 
 
 def expected_divergence_rms(spec) -> float:
     """Expected rms of the linear velocity divergence smoothed at the Jeans scale (units of a H): theta = -f delta,
     so f^2 integral P(k) exp(-k^2 lambda^2) k^2 dk / (2 pi^2), up to the grid's Nyquist wavenumber. The unit of the
     compression that heats the gas: a fixed number, so that a region's temperature does not depend on the box."""
-    k = np.logspace(-4, math.log10(math.pi / spec.cell_mpc_h), 4000)
-    integrand = linear_power(k, spec) * np.exp(-((k * spec.jeans_mpc_h) ** 2)) * k**2
-    return growth_rate(spec) * math.sqrt(np.trapezoid(integrand, k) / (2 * np.pi**2))
+    smoothed = _linear_integral(spec, lambda k: np.exp(-((k * spec.jeans_mpc_h) ** 2)) * k**2)
+    return growth_rate(spec) * math.sqrt(smoothed / (2 * np.pi**2))
 
 
 def generate_lcdm_box(spec, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -61,7 +61,7 @@ class SyntheticSpec:
     velocity_unit_sigmas: float = _param(4.0, "velocities are divided by this many expected rms of one component")
     temperature_log_range: float = _param(3.0, "normalized temperature is log10(T / T0) divided by this")
     universe: str = _param(
-        "toy", "toy: the Gaussian-field boxes above; lcdm: LCDM initial conditions moved by Zel'dovich (pipeline.lcdm)"
+        "toy", "toy: the Gaussian-field boxes above; lcdm: LCDM initial conditions moved by 2LPT (pipeline.lcdm)"
     )
     # The lcdm universe (the toy one ignores these): a flat LCDM cosmology, Planck 2015's by default.
     omega_m: float = _param(0.3089, "lcdm: matter density Omega_m")
