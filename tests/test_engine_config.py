@@ -195,3 +195,62 @@ def test_the_throughput_timer_stays_off_unless_the_json_turns_it_on():
     assert partial["timers"] == {"throughput": {"synchronized": True, "enabled": False}}
     asked = resolve_ds_config({"timers": {"throughput": {"enabled": True}}}, BatchPlan(4, 1, 1), 1e-3, "cuda")
     assert asked["timers"]["throughput"]["enabled"] is True
+
+
+@pytest.mark.parametrize(
+    "value, capability, expected",
+    [
+        ("9.0a", None, "9.0"),
+        ("8.0;9.0a", None, "8.0;9.0"),
+        ("7.5 8.0 9.0+PTX", None, "7.5;8.0;9.0+PTX"),
+        ("9.0a;10.0f;10.0a", None, "9.0;10.0"),
+        ("Hopper", (9, 0), "9.0"),
+    ],
+)
+def test_arch_lists_with_suffixes_become_ones_deepspeed_parses(value, capability, expected, monkeypatch):
+    """DeepSpeed 0.19.8's op builder does int() on each entry's minor part: '9.0a' kills its JIT build of FusedAdam
+    (a ValueError inside deepspeed.initialize). Its own parsing, run on the CPU, refuses the value and takes the
+    fitted one."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA op's: its parsing needs no GPU
+
+    assert engine.parseable_arch_list(value, capability) == expected
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
+    if any(c.isalpha() for c in value.replace("PTX", "")):
+        assert "ValueError: invalid literal for int()" in engine.arch_list_problem(FusedAdamBuilder())
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", expected)
+    assert engine.arch_list_problem(FusedAdamBuilder()) is None
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == expected  # DeepSpeed's parsing rewrites it: restored
+
+
+def test_an_arch_list_is_fitted_once_per_process_and_said_in_one_line(monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    engine.fit_arch_list.cache_clear()
+    with caplog.at_level(logging.INFO):
+        assert engine.fit_arch_list() is None
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"
+    assert [r.getMessage() for r in caplog.records] == [
+        "TORCH_CUDA_ARCH_LIST '8.0;9.0a' set to '8.0;9.0' in this process, which DeepSpeed 0.19.8 can parse"
+    ]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")  # a named architecture, and no GPU to take it from
+    engine.fit_arch_list.cache_clear()
+    assert engine.fit_arch_list() == (
+        "TORCH_CUDA_ARCH_LIST 'Hopper' has entries DeepSpeed cannot parse, and no GPU is visible"
+    )
+    engine.fit_arch_list.cache_clear()
+
+
+def test_an_arch_list_deepspeed_cannot_parse_gives_way_to_torchs_fused_adam(monkeypatch, caplog, probe):
+    """Whatever fitting cannot mend, the probe reports (with DeepSpeed's CUDA builder, as on a GPU), and the config
+    falls back to torch's fused Adam instead of failing inside deepspeed.initialize."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    monkeypatch.setattr(get_accelerator(), "create_op_builder", lambda name: FusedAdamBuilder())
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")
+    engine.fit_arch_list.cache_clear()
+    template = load_ds_template(REPO / "ds_configs" / "ds_fp16.json")
+    with caplog.at_level(logging.WARNING):
+        cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cuda")
+    engine.fit_arch_list.cache_clear()
+    assert {k: cfg["optimizer"]["params"][k] for k in TORCH_FUSED_ADAM} == TORCH_FUSED_ADAM
+    assert "TORCH_CUDA_ARCH_LIST 'Hopper' has entries DeepSpeed cannot parse" in caplog.text

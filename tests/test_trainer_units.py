@@ -31,3 +31,26 @@ def test_data_keys_that_the_storage_mode_does_not_use():
     assert (
         unused_data_keys(Config(), "device", "dali", "cuda") == unused_data_keys(Config(), "lazy", "torch", "cpu") == []
     )
+
+
+def test_a_micro_batch_that_does_not_fit_is_one_line_saying_what_to_lower():
+    """torch's message for a CUDA allocation that fails (its wording in torch 2.x), read for what was asked and what
+    was free; a message without them still names the micro-batch and what to lower."""
+    import torch
+
+    from trainer.trainer import out_of_memory
+
+    torch_says = (
+        "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which 1.50 GiB "
+        "is free. Including non-PyTorch memory, this process has 138.30 GiB memory in use. Of the allocated memory "
+        "130.00 GiB is allocated by PyTorch, and 7.00 GiB is reserved by PyTorch but unallocated."
+    )
+    line = str(out_of_memory(torch.OutOfMemoryError(torch_says), 1024, 64, "cuda:0 (NVIDIA H200)"))
+    assert line == (
+        "a micro-batch of 1024 crops of 64^3 does not fit in the memory of cuda:0 (NVIDIA H200) (20.00 GiB asked, "
+        "1.50 GiB free of 139.81 GiB): lower micro_batch_size (gradient accumulation keeps the global batch) or "
+        "data_size"
+    )
+    bare = str(out_of_memory(torch.OutOfMemoryError("out of memory"), 8, 32, "cuda:1"))
+    assert bare.startswith("a micro-batch of 8 crops of 32^3 does not fit in the memory of cuda:1: lower micro_batch")
+    assert "\n" not in line + bare

@@ -12,9 +12,12 @@ import functools
 import importlib.util
 import json
 import logging
+import math
 import os
+import re
 import shutil
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,12 +159,77 @@ def _ninja_dirs() -> list[str]:
     return dirs
 
 
+# An entry of TORCH_CUDA_ARCH_LIST as torch reads it: '9.0', '9.0+PTX', and with an arch suffix, '9.0a' or '10.0f'.
+_ARCH = re.compile(r"(\d+)\.(\d+)[a-z]*(\+PTX)?")
+
+
+def parseable_arch_list(value: str, device_capability: tuple[int, int] | None) -> str:
+    """TORCH_CUDA_ARCH_LIST ``value`` in the form DeepSpeed's op builder parses, 'major.minor' with an optional
+    '+PTX' (0.19.8 does int('0a') on '9.0a', and its JIT build dies): arch suffixes dropped, as FusedAdam uses no
+    arch-specific instruction; a list with other entries (torch's named architectures) replaced by the device's own
+    capability. ValueError where neither can be had."""
+    entries = [entry for entry in value.replace(" ", ";").split(";") if entry.strip()]
+    matches = [_ARCH.fullmatch(entry.strip()) for entry in entries]
+    if all(matches):
+        return ";".join(dict.fromkeys(f"{m[1]}.{m[2]}{m[3] or ''}" for m in matches if m is not None))
+    if device_capability is None:
+        raise ValueError(f"TORCH_CUDA_ARCH_LIST '{value}' has entries DeepSpeed cannot parse, and no GPU is visible")
+    return "{}.{}".format(*device_capability)
+
+
+@functools.cache
+def fit_arch_list() -> str | None:
+    """Give this process a TORCH_CUDA_ARCH_LIST that DeepSpeed can parse (``parseable_arch_list``), saying so in one
+    line; DeepSpeed's ``jit_load`` parses it in every process that loads an op, built before or not. Returns why it
+    could not, or None."""
+    import deepspeed
+
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if not value.strip():
+        return None  # DeepSpeed asks the visible devices
+    try:
+        fitted = parseable_arch_list(value, torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
+    except ValueError as err:
+        return str(err)
+    if fitted.split(";") != [entry.strip() for entry in value.replace(" ", ";").split(";") if entry.strip()]:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = fitted
+        if os.environ.get("RANK", "0") == "0":
+            log.info(
+                "TORCH_CUDA_ARCH_LIST '%s' set to '%s' in this process, which DeepSpeed %s can parse",
+                value,
+                fitted,
+                deepspeed.__version__,
+            )
+    return None
+
+
+def arch_list_problem(builder: Any) -> str | None:
+    """What DeepSpeed's own parsing of TORCH_CUDA_ARCH_LIST says, for a builder of CUDA ops: None where it parses.
+    Run as ``jit_load`` would, with the variable (which the parsing rewrites) and the builder's mode restored."""
+    if not hasattr(builder, "compute_capability_args"):
+        return None  # not a CUDA op
+    value, jit_mode = os.environ.get("TORCH_CUDA_ARCH_LIST"), builder.jit_mode
+    builder.jit_mode = True
+    try:
+        builder.compute_capability_args()
+    except Exception as err:  # ValueError from int(), RuntimeError for no devices, and whatever a new version raises
+        return f"DeepSpeed cannot use TORCH_CUDA_ARCH_LIST '{value or ''}' ({type(err).__name__}: {err})"
+    finally:
+        builder.jit_mode = jit_mode
+        if value is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = value
+    return None
+
+
 @functools.cache
 def fused_adam_problem() -> str | None:
-    """Why DeepSpeed's FusedAdam cannot be loaded here, or None where it can: installed prebuilt, JIT-built before
-    (cached), or buildable (ninja on PATH, beside this interpreter or in the ninja package, and a CUDA toolkit whose
-    nvcc matches the CUDA that torch was built with). A failed JIT build is a traceback deep inside
-    deepspeed.initialize; this says why before it starts. Probed once per process."""
+    """Why DeepSpeed's FusedAdam cannot be loaded here, or None where it can: an arch list DeepSpeed can parse
+    (``fit_arch_list``), and installed prebuilt, JIT-built before (cached), or buildable (ninja on PATH, beside this
+    interpreter or in the ninja package, and a CUDA toolkit whose nvcc matches the CUDA that torch was built with).
+    A failed JIT build is a traceback deep inside deepspeed.initialize; this says why before it starts. Probed once
+    per process."""
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder.builder import assert_no_cuda_mismatch
@@ -169,6 +237,8 @@ def fused_adam_problem() -> str | None:
     builder = get_accelerator().create_op_builder("FusedAdamBuilder")
     if builder is None:
         return f"DeepSpeed has no FusedAdam for the {get_accelerator().device_name()} accelerator"
+    if problem := fit_arch_list() or arch_list_problem(builder):  # parsed even where the op was built before
+        return problem
     if installed_ops.get(builder.name, False):
         return None
     if jit_built(builder.name)[0]:
@@ -225,12 +295,17 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
         if device_type == "cpu" and "torch_adam" not in params:
             # FusedAdam's CPU build is a 45 s JIT compile for no gain here; torch.optim.Adam is the same math.
             params["torch_adam"] = True
-        elif device_type == "cuda" and "torch_adam" not in params and (problem := fused_adam_problem()):
-            if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
+        elif device_type == "cuda" and not params.get("torch_adam") and (problem := fused_adam_problem()):
+            if "torch_adam" in params:  # asked for by name: DeepSpeed's build fails with its own message
                 log.warning(
-                    "DeepSpeed's FusedAdam cannot be built here (%s): training with torch's fused Adam", problem
+                    "DeepSpeed's FusedAdam, which torch_adam: false asks for, cannot be built here (%s)", problem
                 )
-            params.update(TORCH_FUSED_ADAM)
+            else:
+                if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
+                    log.warning(
+                        "DeepSpeed's FusedAdam cannot be built here (%s): training with torch's fused Adam", problem
+                    )
+                params.update(TORCH_FUSED_ADAM)
     cfg.setdefault("gradient_clipping", 0.0)
     cfg.setdefault("steps_per_print", _QUIET_STEPS)
     # DeepSpeed's throughput timer (on by default) synchronizes the device at every forward and step, so that
@@ -276,3 +351,59 @@ def precision_name(dtype: torch.dtype) -> str:
 def loss_scale(engine: Any) -> float | None:
     """The current dynamic loss scale under fp16, else None."""
     return float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None
+
+
+# Per fp16 engine, once its first backward has shown it: whether DeepSpeed's backward applies the loss scale itself.
+_SCALES_ITSELF: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def backward(engine: Any, loss: torch.Tensor) -> None:
+    """``engine.backward(loss)`` with fp16's loss scale applied exactly once.
+
+    Under fp16 every DeepSpeed optimizer divides the gradients by its loss scale in ``step()``, but DeepSpeed's
+    ``engine.backward`` multiplies the loss by it only for its ZeRO optimizers and torch's GradScaler: 0.19.8 leaves
+    the fp16 wrappers of ZeRO stage 0 unscaled (deepspeedai/DeepSpeed#8393). There the gradients of an L1 mean over
+    2^25 outputs or more are below fp16's smallest number, all exactly zero, and nothing overflows. So the first
+    backward of each fp16 engine shows what DeepSpeed does: a hook on the loss sees the gradient that reaches it,
+    the factor DeepSpeed multiplied the loss by (1/accumulation, times the loss scale where it applies it). Where it
+    does not, the hook applies the scale to that backward, and later ones multiply the loss by the scale; where it
+    does (ZeRO, a fixed DeepSpeed), nothing changes. The loss stays float32 (``model.Loss``): scaled by 2^16, it
+    would overflow float16. bf16 and fp32 engines are left as they are.
+    """
+    if not engine.fp16_enabled():
+        engine.backward(loss)
+        return
+    scale = float(engine.optimizer.loss_scale)
+    scales_itself = _SCALES_ITSELF.get(engine)
+    if scales_itself is None and scale != 1.0:  # a scale of 1 cannot tell: the next backward asks again
+        handle = loss.register_hook(functools.partial(_probe_scaling, engine, scale))
+        try:
+            engine.backward(loss)
+        finally:
+            handle.remove()
+    else:
+        engine.backward(loss if scales_itself is not False else loss * scale)
+
+
+def _probe_scaling(engine: Any, scale: float, grad: torch.Tensor) -> torch.Tensor:
+    """The hook of ``backward``'s first fp16 backward: decides, says which, and scales this backward if needed."""
+    import deepspeed
+
+    factor = float(grad) * engine.gradient_accumulation_steps()  # one device sync, once per engine
+    scales_itself = math.isclose(factor, scale, rel_tol=1e-3)
+    if not scales_itself and not math.isclose(factor, 1.0, rel_tol=1e-3):
+        log.warning(
+            "fp16: DeepSpeed multiplied the loss by %g, neither 1 nor its loss scale %g: left so", factor, scale
+        )
+        scales_itself = True
+    _SCALES_ITSELF[engine] = scales_itself
+    if scales_itself:
+        log.info("fp16: DeepSpeed applies its loss scale (%g) in backward", scale)
+        return grad
+    log.info(
+        "fp16: DeepSpeed %s does not apply its loss scale in backward with %s: the trainer does (%g now)",
+        deepspeed.__version__,
+        type(engine.optimizer).__name__,
+        scale,
+    )
+    return grad * scale

@@ -18,6 +18,7 @@ import torch.distributed as torch_dist
 from model import Loss
 from pipeline.volumes import DataError
 from trainer.config import Config
+from trainer.engine import backward
 from trainer.errors import NumericalError
 from trainer.preemption import StopRequest
 
@@ -48,12 +49,15 @@ def micro_step(
     loss_fn: Loss,
     proceed: Callable[[torch.Tensor], bool] | None = None,
     mark: Callable[[str], None] | None = None,
+    after_backward: Callable[[], None] | None = None,
 ) -> torch.Tensor | None:
     """Forward, backward and (at an accumulation boundary, where DeepSpeed counts the micro-steps) the optimizer step.
 
     ``proceed(loss)``, when given, runs between forward and backward and may skip the rest (None is returned: a
     non-finite loss that every rank agreed to skip). ``mark(phase)``, when given, is called as each phase ends
-    (the benchmark's timers). Returns the loss still on the device: reading it here would synchronize every step.
+    (the benchmark's timers). ``after_backward()``, when given, sees the gradients before the optimizer takes them
+    (``trainer.numerics.LearningWatch``). Returns the loss still on the device: reading it here would synchronize
+    every step.
     """
     with phase("forward"):
         loss = loss_fn(engine(inp), tar)
@@ -62,7 +66,9 @@ def micro_step(
     if mark is not None:
         mark("forward")
     with phase("backward"):
-        engine.backward(loss)
+        backward(engine, loss)  # engine.backward, with fp16's loss scale applied exactly once
+    if after_backward is not None:
+        after_backward()
     if mark is not None:
         mark("backward")
     with phase("optimizer_step"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import socket
 import statistics
 import sys
@@ -35,7 +36,8 @@ from trainer.engine import (
     loss_scale,
     precision_name,
 )
-from trainer.errors import DistError
+from trainer.errors import ConfigError, DistError
+from trainer.numerics import LearningWatch
 from trainer.preemption import StopRequest
 from trainer.rundir import PROFILE, RunDir
 from trainer.runlog import RunLog
@@ -56,6 +58,20 @@ def evaluate(engine: Any, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], l
     engine.train()
     torch_dist.all_reduce(totals)
     return float(totals[0] / totals[1])
+
+
+def out_of_memory(err: torch.OutOfMemoryError, micro_batch: int, crop: int, device: str) -> ConfigError:
+    """The one line for a micro-batch that does not fit: what was asked and what was free (from torch's message, which
+    says it for CUDA), and what to lower."""
+    text = " ".join(str(err).split())
+    asked = re.search(r"Tried to allocate ([\d.]+ \w+)", text)
+    free = re.search(r"total capacity of ([\d.]+ \w+) of which ([\d.]+ \w+) is free", text)
+    memory = ", ".join(([f"{asked[1]} asked"] if asked else []) + ([f"{free[2]} free of {free[1]}"] if free else []))
+    return ConfigError(
+        f"a micro-batch of {micro_batch} crops of {crop}^3 does not fit in the memory of {device}"
+        f"{f' ({memory})' if memory else ''}: lower micro_batch_size (gradient accumulation keeps the global batch) "
+        "or data_size"
+    )
 
 
 @dataclass
@@ -116,6 +132,8 @@ class Trainer:
 
         # One small collective per micro-step, when asked for: non-finite loss, bad batch, stop request.
         self.guard = StepGuard(cfg, self.engine.device, stop, nonfinite_losses)
+        # after a resume: from the weights it loaded
+        self.watch = LearningWatch(self.engine, self.schedule.lr_at, self.schedule.peak, warn=dist.is_main)
         self.loss_fn = Loss.of(cfg)
         micro = self.engine.train_micro_batch_size_per_gpu()
         accumulation = self.engine.gradient_accumulation_steps()
@@ -240,6 +258,14 @@ class Trainer:
         return digests
 
     def train(self) -> dict[str, Any]:
+        """Train to the end (or a stop request); a micro-batch that does not fit in GPU memory is a one-line error."""
+        try:
+            return self._train()
+        except torch.OutOfMemoryError as err:
+            micro = self.engine.train_micro_batch_size_per_gpu()
+            raise out_of_memory(err, micro, self.cfg.data_size, device_name(self.device)) from None
+
+    def _train(self) -> dict[str, Any]:
         cfg, engine = self.cfg, self.engine
         wall_start = time.perf_counter()
         last_epoch = cfg.num_epochs if self.stop_after_epoch is None else min(cfg.num_epochs, self.stop_after_epoch)
@@ -301,6 +327,8 @@ class Trainer:
             else {"epoch": self.resumed_at[0], "batch_in_epoch": self.resumed_at[1]},
             "steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps,
+            "last_loss_scale": loss_scale(engine),
+            "weights_changed": self.watch.weights_changed(),
             "nonfinite_losses": self.guard.nonfinite_losses,
             "wall_s": round(time.perf_counter() - wall_start, 3),
             "samples_per_s": statistics.median(m["throughput/samples_per_s"] for m in measured) if measured else None,
@@ -351,7 +379,8 @@ class Trainer:
             if self.first_batch_digest is None:  # once per run: which crops this rank drew
                 self.first_batch_digest = hashlib.sha256(inp.float().cpu().numpy().tobytes()).hexdigest()
             step_before = engine.global_steps
-            loss = micro_step(engine, inp, tar, self.loss_fn, self.guard.proceed(inp, tar, self._where))
+            proceed = self.guard.proceed(inp, tar, self._where)
+            loss = micro_step(engine, inp, tar, self.loss_fn, proceed, after_backward=self.watch.after_backward)
             if self.profiler is not None:
                 self.profiler.step()
             if loss is None:
@@ -380,12 +409,15 @@ class Trainer:
         elapsed = time.perf_counter() - interval.start
         rate = interval.steps * self.cfg.global_batch_size / elapsed
         lr = self.schedule.lr_at(self.schedule.steps_taken)  # what the last step used
+        numerics = self.watch.report()
         values = {
             "loss/train": loss,
             "lr": lr,
             "throughput/samples_per_s": rate,
             "data_wait_pct": 100 * interval.data_wait_s / elapsed,
-            "loss_scale": loss_scale(engine),
+            "grad_norm": numerics.grad_norm,
+            "loss_scale": numerics.loss_scale,
+            "weights_changed": numerics.weights_changed,
             "skipped_steps": engine.skipped_steps,
             "nonfinite_losses": self.guard.nonfinite_losses,
             "memory/host_rss_mib": psutil.Process().memory_info().rss / 2**20,
@@ -402,11 +434,12 @@ class Trainer:
         )
         bar.set_postfix(loss=f"{loss:.4f}", rate=f"{rate:.0f}/s")
         log.info(
-            "epoch %d step %d: loss %.5f, lr %.3g, %.1f samples/s, %.0f%% waiting for data",
+            "epoch %d step %d: loss %.5f, lr %.3g, %s, %.1f samples/s, %.0f%% waiting for data",
             self.epoch + 1,
             engine.global_steps,
             loss,
             lr,
+            numerics.console(),
             rate,
             values["data_wait_pct"],
         )
