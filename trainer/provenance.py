@@ -34,18 +34,33 @@ def cpu_info() -> CpuInfo:
     return CpuInfo(model, mhz, flags)
 
 
-def git_commit() -> str | None:
-    """HEAD, marked +dirty when code differs from it (documentation and results do not count)."""
+# Where a copy of the project made for a machine without its repository keeps the commit it was copied from
+# (``python -m trainer.provenance``, run in the repository before copying; git ignores the file).
+COMMIT_FILE = REPO / "COMMIT"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def git_commit() -> str:
+    """The project's commit: HEAD of its own repository, marked +dirty when code differs from it (documentation and
+    results do not count); in a copy without its repository, the commit written into COMMIT when the copy was made;
+    "unknown" otherwise. A repository around a copy (another checkout it was copied into) is not the project's."""
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
-        )
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--", ".", ":!*.md", ":!bench/results"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if status else "")
+        if Path(_git("rev-parse", "--show-toplevel")).resolve() == REPO.resolve():
+            dirty = _git("status", "--porcelain", "--", ".", ":!*.md", ":!bench/results", ":!COMMIT")
+            return _git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return None
+        pass
+    try:
+        return COMMIT_FILE.read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    # Before copying the project to a machine without its repository: the copy then names the commit it came from.
+    commit = git_commit()
+    COMMIT_FILE.write_text(commit + "\n")
+    print(f"{COMMIT_FILE.name}: {commit}")
