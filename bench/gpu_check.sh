@@ -8,6 +8,7 @@
 #
 #   bash bench/gpu_check.sh [RESULTS.jsonl]   # PYTHON=... picks the interpreter; needs torch (CUDA), h5py, pytest
 #                                             # PIPELINE_DATA=... an HDF5 box to read (else a 256^3 one is written)
+#                                             # TESTS=0 measures the throughput only
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -26,6 +27,8 @@ fi
 data=(); [ -n "${PIPELINE_DATA:-}" ] && [ -f "$PIPELINE_DATA" ] && data=(--data "$PIPELINE_DATA")
 "$py" -m bench.pipeline --crops 64 --batch 64 --batches 20 --repeats 2 --out "$results" "${dali[@]}" "${data[@]}"
 status=$?
-"$py" -m pytest -q -rs -s -p no:cacheprovider tests/test_device_paths.py tests/test_fast_paths.py -k "device or gpu or synchron" \
-  || status=1
+if [ "${TESTS:-1}" = 1 ]; then
+  "$py" -m pytest -q -rs -s -p no:cacheprovider tests/test_device_paths.py tests/test_fast_paths.py \
+    -k "device or gpu or synchron" || status=1
+fi
 exit $status

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# The GPU measurements in one time-boxed run, most important first, for a short allocation on a GPU node: the
-# single-GPU speed table (bench.sweep --preset gpu-speed, headline cases first) until SPEED_S seconds (300) into the
-# script, then the device paths against the CPU reference and the pipeline's throughput (bench/gpu_check.sh) for at
-# most CHECK_S (150), then bench.tune on bs64_opt's micro-batch and precision for TUNE_S (90; 0 skips it). Records
-# and logs go to OUT as they are measured, so a part cut short keeps what it finished;
-# render the table of docs/benchmarks.md afterwards with `python -m bench.report --results OUT/train.jsonl`. The
-# defaults fit a 10-minute allocation.
+# The GPU session in one run, for a short allocation on a GPU node, in three parts, each in its own time box:
+#   1. correctness, at most CORRECT_S seconds (240): DeepSpeed's FusedAdam built (or why not, and torch's fused Adam
+#      for everything after), short fp16 and bf16 runs of bs64_opt that must lower the validation loss and change
+#      the weights without a "not learning" warning, the GPU tests, and a micro-batch too large for the GPU, which
+#      must end in one line and status 2;
+#   2. speed, at most SPEED_S (300): the single-GPU speed table (bench.sweep --preset gpu-speed);
+#   3. the rest: the pipeline's throughput (bench/gpu_check.sh, its tests ran in part 1) for at most CHECK_S (150), then
+#      bench.tune on bs64_opt's micro-batch and precision for TUNE_S (90; 0 skips it).
+# Results go to OUT as they are measured. After each part, OUT is packed into PACK_TO/session.tar.gz beside
+# PACK_TO/summary.txt (one PASS, FAIL or SKIP line per check; PACK_TO is OUT unless set), so that an allocation
+# copying back only a few files loses nothing. Render the table of docs/benchmarks.md afterwards with
+# `python -m bench.report --results OUT/train.jsonl`. A copy of the project without its repository names its commit
+# in the records where `python -m trainer.provenance` wrote COMMIT before copying.
 #
 #   bash bench/gpu_session.sh OUT [WHEELS]   # WHEELS: from bench/offline_wheels.sh, where DeepSpeed is missing;
 #                                            # DALI from the parts in WHEELS-dali (or DALI_PARTS) where they are
@@ -14,6 +20,30 @@ cd "$(dirname "$0")/.." || exit 2
 out="${1:?usage: bench/gpu_session.sh OUT [WHEELS]}"
 py="${PYTHON:-python3}"
 mkdir -p "$out" 2>/dev/null || { echo "gpu_session.sh: $out cannot be made a directory (a file, or under one)" >&2; exit 2; }
+pack_to="${PACK_TO:-$out}"
+mkdir -p "$pack_to" 2>/dev/null || { echo "gpu_session.sh: PACK_TO $pack_to cannot be made a directory" >&2; exit 2; }
+summary="$pack_to/summary.txt"
+failed=0
+
+note() {  # one line of the summary: STATUS CHECK: detail
+  echo "$1 $2${3:+: $3}" | tee -a "$summary"
+  [ "$1" = FAIL ] && failed=1
+  return 0
+}
+
+pack() {  # everything under OUT so far, in one archive beside the summary (written aside, then moved in)
+  local partial
+  partial=$(mktemp "${TMPDIR:-/tmp}/session.XXXXXX") || return 1
+  tar -czf "$partial" --exclude=./session.tar.gz -C "$out" .
+  [ $? -le 1 ] && mv "$partial" "$pack_to/session.tar.gz"  # 1: a file changed while read (a log still written)
+  rm -f "$partial"
+}
+
+left() {  # seconds left until $1 (a value of SECONDS), at least 1 (timeout 0 would mean no limit)
+  echo $(($1 - SECONDS > 1 ? $1 - SECONDS : 1))
+}
+
+: > "$summary"
 site=/tmp/cosmo-emulator-gpu-site
 if [ -n "${2:-}" ]; then
   if ! "$py" -m pip install --quiet --no-index --no-deps --target "$site" "$2"/*.whl; then
@@ -21,58 +51,133 @@ if [ -n "${2:-}" ]; then
     exit 2
   fi
 fi
-# DALI's wheel from its parts (bench/offline_wheels.sh with WITH_DALI=1), joined and checked against SHA256.
 parts="${DALI_PARTS:-${2:-wheels}-dali}"
-if [ -f "$parts/SHA256" ]; then
-  wheel=$(awk '{print $2}' "$parts/SHA256")
-  cat "$parts/$wheel".part* > "/tmp/$wheel"
-  if ! (cd /tmp && sha256sum --quiet -c -) < "$parts/SHA256" \
-      || ! "$py" -m pip install --quiet --no-index --no-deps --target "$site" "/tmp/$wheel"; then
-    found=$(compgen -G "$parts/*.part*" | wc -l)
-    echo "DALI's parts in $parts are incomplete or do not install ($found here): DALI skipped"
-  fi
-fi
+[ -d "$parts" ] && PYTHON="$py" bash bench/install_dali_parts.sh "$parts" "$site"
 # The wheels' programs (ninja, which DeepSpeed's JIT build of FusedAdam runs) are in $site/bin.
 [ -d "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# Every module the sweep and the checks need, named at once, before anything is built or measured.
+# Every module the session needs, named at once, before anything is built or measured.
 "$py" -m bench.preflight --gpu || exit 2
 "$py" -m bench.preflight --dali > /dev/null 2>&1 || echo "DALI or one of its requirements is missing: torch backend only"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
-speed_s=${SPEED_S:-300}
-# DeepSpeed JIT-builds FusedAdam on first use (about a minute, counted in SPEED_S); where it cannot, every case
-# takes torch's fused Adam instead (merged into each case's DeepSpeed settings; the records say which).
+note INFO commit "$("$py" -c 'from trainer.provenance import git_commit; print(git_commit())')"
+note INFO gpu "$(tail -1 "$out/gpu.txt")"
+
+# 1. Correctness.
+correct_end=$((SECONDS + ${CORRECT_S:-240}))
 optimizer=()
-if ! timeout 240 "$py" - > "$out/fused_adam.log" 2>&1 <<'PY'
+# DeepSpeed JIT-builds FusedAdam on first use (about a minute), with TORCH_CUDA_ARCH_LIST fitted for its parser as
+# training fits it; where it cannot, every later run takes torch's fused Adam (the records' optimizer says which).
+if timeout "$(left $correct_end)" "$py" - > "$out/fused_adam.log" 2>&1 <<'PY'; then
+import logging
+import sys
+
 import torch
-from deepspeed.ops.adam import FusedAdam
+
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from trainer.engine import fused_adam_problem  # noqa: E402
+
+if problem := fused_adam_problem():
+    sys.exit(f"DeepSpeed's FusedAdam cannot be built here: {problem}")
+from deepspeed.ops.adam import FusedAdam  # noqa: E402
 
 weight = torch.zeros(8, device="cuda", requires_grad=True)
 weight.grad = torch.ones_like(weight)
 FusedAdam([weight]).step()
+print("FusedAdam built, and stepped once")
 PY
-then
-  echo "DeepSpeed's FusedAdam did not build (the end of $out/fused_adam.log says why): torch's fused Adam instead"
-  tail -3 "$out/fused_adam.log"
+  note PASS fused_adam "$(tail -1 "$out/fused_adam.log")"
+else
+  note FAIL fused_adam "$(tail -1 "$out/fused_adam.log") (torch's fused Adam from here on; $out/fused_adam.log)"
   optimizer=(--deepspeed_overrides '{"optimizer": {"params": {"torch_adam": true, "fused": true}}}')
 fi
-speed_s=$((speed_s - SECONDS > 60 ? speed_s - SECONDS : 60))
+boxes=(--synthetic "{train_box_size: 256, val_box_size: 128, seed: 0}" --train_path data/bench/gpu_train.h5
+  --val_path data/bench/gpu_val.h5 --storage device)
+for precision in fp16 bf16; do
+  run="$out/learn-$precision"
+  seconds=$(left $correct_end)
+  if [ "$seconds" -lt 30 ]; then note SKIP "learns_$precision" "out of time"; continue; fi
+  timeout "$seconds" "$py" ds_train.py --config bs64_opt "${boxes[@]}" --deepspeed_config "ds_configs/ds_$precision.json" \
+    --Nsamples 2048 --Nsamples_val 256 --num_epochs 2 --log_every_steps 8 --run_dir "$run" --overwrite \
+    "${optimizer[@]}" > "$out/learn-$precision.log" 2>&1
+  status=$?
+  verdict=$("$py" - "$run" "$out/learn-$precision.log" "$status" <<'PY'
+import json
+import sys
+from pathlib import Path
+
+run, log, status = Path(sys.argv[1]), Path(sys.argv[2]).read_text(), int(sys.argv[3])
+try:
+    s = json.loads((run / "summary.json").read_text())
+except (OSError, ValueError):
+    print(f"FAIL status {status}, no summary.json: {(log.strip().splitlines() or [''])[-1]}")
+    sys.exit()
+learned = s["final_val_loss"] < s["initial_val_loss"] and s["weights_changed"] and "not learning" not in log
+print(
+    f"{'PASS' if learned and status == 0 else 'FAIL'} validation loss {s['initial_val_loss']:.5f} -> "
+    f"{s['final_val_loss']:.5f}, weights changed {s['weights_changed']}, loss scale {s['last_loss_scale']}, "
+    f"{s['skipped_steps']} of {s['steps']} steps skipped, {s['samples_per_s'] or 0:.0f} samples/s, status {status}"
+)
+PY
+  )
+  note "${verdict%% *}" "learns_$precision" "${verdict#* }"
+done
+seconds=$(left $correct_end)
+if [ "$seconds" -ge 20 ]; then
+  # DeepSpeed's GPU fp16 path and the watch on real engines (these tests run on a GPU where there is one), then the
+  # device paths against the CPU reference and the fast paths' GPU tests.
+  timeout "$seconds" "$py" -m pytest -q -rs -p no:cacheprovider tests/test_fp16.py tests/test_numerics.py \
+    > "$out/tests.log" 2>&1 && timeout "$(left $correct_end)" "$py" -m pytest -q -rs -p no:cacheprovider \
+    tests/test_device_paths.py tests/test_fast_paths.py -k "device or gpu or synchron" >> "$out/tests.log" 2>&1
+  status=$?
+  note "$([ $status = 0 ] && echo PASS || echo FAIL)" gpu_tests "$(grep -E ' (passed|failed)' "$out/tests.log" | tr '\n' ' ')"
+else
+  note SKIP gpu_tests "out of time"
+fi
+seconds=$(left $correct_end)
+if [ "$seconds" -ge 20 ]; then
+  # 2,048 crops of 64^3 per micro-batch need several times the GPU's memory: one line, status 2, nothing lost.
+  timeout "$seconds" "$py" ds_train.py --config bs64_opt "${boxes[@]}" --global_batch_size 2048 \
+    --base_batch_size 2048 --Nsamples 2048 --Nsamples_val 256 --num_epochs 1 --run_dir "$out/too-large" --overwrite \
+    "${optimizer[@]}" > "$out/too-large.log" 2>&1
+  status=$?
+  line=$(grep -m1 "does not fit in the memory of" "$out/too-large.log")
+  if [ $status = 2 ] && [ -n "$line" ] && ! grep -q Traceback "$out/too-large.log"; then
+    note PASS out_of_memory "$line"
+  else
+    note FAIL out_of_memory "status $status: $(tail -1 "$out/too-large.log")"
+  fi
+else
+  note SKIP out_of_memory "out of time"
+fi
+pack
+
+# 2. Speed.
+speed_s=${SPEED_S:-300}
 # timeout signals the sweep's whole process group: the running case goes too, its finished records stay.
 timeout --kill-after 10 "$speed_s" "$py" -m bench.sweep --preset gpu-speed --no_report --out "$out/train.jsonl" \
-  "${optimizer[@]}" 2>&1 | tee "$out/speed.log"
-speed=${PIPESTATUS[0]}
-case $speed in 124 | 137) echo "speed sweep stopped after $speed_s s: its finished cases are in $out/train.jsonl";; esac
-PIPELINE_DATA=data/bench/gpu_train.h5 PYTHON="$py" timeout --kill-after 10 "${CHECK_S:-150}" \
-  bash bench/gpu_check.sh "$out/pipeline.jsonl" 2>&1 | tee "$out/check.log"
-check=${PIPESTATUS[0]}
+  "${optimizer[@]}" > "$out/speed.log" 2>&1
+status=$?
+case $status in
+  0) note PASS speed "$(grep -c . "$out/train.jsonl" 2>/dev/null || echo 0) records in train.jsonl" ;;
+  124 | 137) note INFO speed "stopped after $speed_s s: its finished cases are in train.jsonl" ;;
+  *) note FAIL speed "status $status (speed.log)" ;;
+esac
+pack
+
+# 3. The rest.
+TESTS=0 PIPELINE_DATA=data/bench/gpu_train.h5 PYTHON="$py" timeout --kill-after 10 "${CHECK_S:-150}" \
+  bash bench/gpu_check.sh "$out/pipeline.jsonl" > "$out/check.log" 2>&1
+status=$?
+note "$([ $status = 0 ] && echo PASS || echo FAIL)" gpu_check "status $status (check.log)"
+pack
 tune_s=${TUNE_S:-90}
-tune=0
 if [ "$tune_s" -gt 0 ]; then
   # on the speed sweep's synthetic boxes; the budget holds the runs, the tuner's start and writing come on top
   "$py" -m bench.tune --config bs64_opt --budget_s "$tune_s" --stages micro_batch precision --steps 5 --repeats 1 \
-    --out "$out/bs64_opt_tuned.yaml" --overwrite --train_path data/bench/gpu_train.h5 --val_path data/bench/gpu_val.h5 \
-    --synthetic '{train_box_size: 256, val_box_size: 128, seed: 0}' --storage device --Nsamples_val 256 "${optimizer[@]}" \
-    2>&1 | tee "$out/tune.log"
-  tune=${PIPESTATUS[0]}
+    --out "$out/bs64_opt_tuned.yaml" --overwrite "${boxes[@]}" --Nsamples_val 256 "${optimizer[@]}" > "$out/tune.log" 2>&1
+  status=$?
+  note "$([ $status = 0 ] && echo PASS || echo FAIL)" tune "status $status (tune.log)"
 fi
-exit $((speed || check || tune))
+pack
+exit $failed

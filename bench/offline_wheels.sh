@@ -2,18 +2,27 @@
 # Wheels for a GPU machine that has PyTorch (CUDA) and NumPy but no internet (many compute nodes): DeepSpeed, built
 # here since PyPI has only its source (its CUDA ops, FusedAdam among them, are JIT-built there on first use), and
 # every other package the project, DeepSpeed and the tests need (bench/offline_packages.txt), at the versions
-# constraints.txt pins. NVIDIA DALI only with WITH_DALI=1 (without it, train with --backend torch): its small
-# dependencies go to DIR, and its 405 MB wheel to DIR-dali with a SHA256 file naming it; PART_MIB=N splits it into
-# parts of N MiB, for copying through tools that limit a file's size. bench/gpu_session.sh joins, checks and installs.
+# constraints.txt pins. NVIDIA DALI only with WITH_DALI=1 (without it, train with --backend torch), built for the GPU
+# machine's CUDA major (torch.version.cuda there: 12 takes nvidia-dali-cuda120, 405 MB; 13 nvidia-dali-cuda130,
+# 199 MB; the same DALI release as requirements.txt pins): its small dependencies go to DIR, the wheel to DIR-dali
+# with a SHA256 file naming it. REPACK=1 keeps only the PYTHON_VERSION's compiled modules, as a tar.xz of the wheel's
+# contents (132 MB for cuda130 and Python 3.12); PART_MIB=N splits what goes to DIR-dali into parts of N MiB, for
+# copying through tools that limit a file's size. bench/install_dali_parts.sh (run by bench/gpu_session.sh) joins,
+# checks and installs them.
 #
-#   bash bench/offline_wheels.sh DIR [PYTHON_VERSION]   # PYTHON_VERSION: the GPU machine's, e.g. 3.12
+#   bash bench/offline_wheels.sh DIR [PYTHON_VERSION] [CUDA_MAJOR]   # the GPU machine's, e.g. 3.12 and 13
 #   # there:
 #   python3 -m pip install --no-index --no-deps --target SITE DIR/*.whl && export PYTHONPATH=SITE:$PWD
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="${1:?usage: bench/offline_wheels.sh DIR [PYTHON_VERSION]}"
 pyver="${2:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}"
+cuda="${3:-12}"
 pip="${PIP:-python3 -m pip}"
+case "$cuda" in
+  12 | 13) ;;
+  *) echo "offline_wheels.sh: CUDA_MAJOR is 12 or 13 (torch.version.cuda on the GPU machine), not '$cuda'" >&2; exit 2 ;;
+esac
 pin() {  # the version constraints.txt or requirements.txt pins for a package
   local found
   found=$(grep -ihE "^$1==" constraints.txt requirements.txt requirements-dev.txt | head -1)
@@ -45,16 +54,22 @@ ls -1 "$dir"
 if [ "${WITH_DALI:-0}" = 1 ]; then
   parts="$dir-dali"
   rm -rf "$parts" && mkdir -p "$parts/whole"
-  fetch "$parts/whole" "$(pin nvidia-dali-cuda120)"
-  wheel=$(cd "$parts/whole" && ls -1 ./*.whl | head -1) && wheel=${wheel#./}
-  (cd "$parts/whole" && sha256sum "$wheel") > "$parts/SHA256"
+  dali=$(pin nvidia-dali-cuda120)
+  fetch "$parts/whole" "nvidia-dali-cuda${cuda}0==${dali#*==}"
+  name=$(cd "$parts/whole" && ls -1 ./*.whl | head -1) && name=${name#./}
+  if [ "${REPACK:-0}" = 1 ]; then
+    repacked="${name%.whl}.cp${pyver/./}.tar.xz"
+    python3 -m bench.repack_wheel "$parts/whole/$name" "$pyver" "$parts/whole/$repacked"
+    name=$repacked
+  fi
+  (cd "$parts/whole" && sha256sum "$name") > "$parts/SHA256"
   if [ -n "${PART_MIB:-}" ]; then
-    split --bytes="${PART_MIB}M" --numeric-suffixes=0 --suffix-length=2 "$parts/whole/$wheel" "$parts/$wheel.part"
+    split --bytes="${PART_MIB}M" --numeric-suffixes=0 --suffix-length=2 "$parts/whole/$name" "$parts/$name.part"
   else
-    mv "$parts/whole/$wheel" "$parts/$wheel.part00"  # one part: the whole wheel
+    mv "$parts/whole/$name" "$parts/$name.part00"  # one part: the whole file
   fi
   rm -r "$parts/whole"
-  echo "DALI in $(compgen -G "$parts/*.part*" | wc -l) parts with $parts/SHA256: copy them with $dir to the GPU machine;"
-  echo "bench/gpu_session.sh joins and checks them there (DALI_PARTS=$parts):"
+  echo "DALI in $(compgen -G "$parts/*.part*" | wc -l) part(s) with $parts/SHA256: copy them with $dir to the GPU machine;"
+  echo "bash bench/install_dali_parts.sh $parts SITE joins, checks and installs them there (bench/gpu_session.sh does):"
   ls -1 "$parts"
 fi

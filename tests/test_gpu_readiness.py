@@ -135,3 +135,66 @@ def test_preflight_command_line_errors_are_one_line():
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "python -m bench.preflight: error: unrecognized arguments: --dail"
     ]
+
+
+FAKE_PIP = """
+import os, sys, zipfile
+args = sys.argv[1:]
+if args[0] == "download" and any(a.startswith("nvidia-dali-") for a in args):
+    dest = args[args.index("--dest") + 1]
+    name = next(a for a in args if a.startswith("nvidia-dali-")).split("==")[0].replace("-", "_")
+    with zipfile.ZipFile(os.path.join(dest, f"{name}-2.4.0-py3-none-manylinux_2_28_x86_64.whl"), "w") as wheel:
+        wheel.writestr("nvidia/dali/__init__.py", "")
+        for tag in ("310", "311", "312", "313t"):  # one compiled module per CPython, 3 MB that do not compress
+            wheel.writestr(f"nvidia/dali/backend_impl.cpython-{tag}-x86_64-linux-gnu.so", os.urandom(3 << 20))
+print(*args)
+"""
+
+
+def test_dali_for_the_gpu_machines_cuda_repacked_for_its_python_split_and_installed(tmp_path):
+    """offline_wheels.sh fetches the DALI build for the CUDA major asked (pip stands in for the registry, writing a
+    wheel with a compiled module per CPython), keeps Python 3.12's module only, splits it into parts of 1 MiB;
+    install_dali_parts.sh joins, checks and extracts them, and refuses a damaged part in one line."""
+    fake_pip = tmp_path / "pip.py"
+    fake_pip.write_text(FAKE_PIP)
+    env = {**os.environ, "PIP": f"{sys.executable} {fake_pip}", "WITH_DALI": "1", "REPACK": "1", "PART_MIB": "1"}
+    wheels = tmp_path / "wheels"
+    made = subprocess.run(
+        ["bash", "bench/offline_wheels.sh", str(wheels), "3.12", "13"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+    assert "nvidia-dali-cuda130==2.4.0" in made.stdout and "cuda120" not in made.stdout
+    parts = sorted(p.name for p in (tmp_path / "wheels-dali").glob("*.part*"))
+    archive = "nvidia_dali_cuda130-2.4.0-py3-none-manylinux_2_28_x86_64.cp312.tar.xz"
+    assert len(parts) == 4 and all(p.startswith(archive + ".part") for p in parts), parts
+
+    def install(site):
+        command = ["bash", "bench/install_dali_parts.sh", str(tmp_path / "wheels-dali"), str(site)]
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    done = install(tmp_path / "site")
+    assert done.returncode == 0, done.stdout + done.stderr
+    modules = sorted(p.name for p in (tmp_path / "site" / "nvidia" / "dali").iterdir())
+    assert modules == ["__init__.py", "backend_impl.cpython-312-x86_64-linux-gnu.so"]
+    (tmp_path / "wheels-dali" / parts[1]).unlink()
+    refused = install(tmp_path / "site2")
+    assert refused.returncode == 1 and not (tmp_path / "site2").exists()
+    assert refused.stdout.splitlines() == [
+        f"DALI's parts in {tmp_path / 'wheels-dali'} are incomplete or damaged (3 part(s) of {archive}): DALI skipped"
+    ]
+
+
+def test_offline_wheels_refuses_a_cuda_major_it_has_no_dali_for(tmp_path):
+    result = subprocess.run(
+        ["bash", "bench/offline_wheels.sh", str(tmp_path / "w"), "3.12", "11"], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        == "offline_wheels.sh: CUDA_MAJOR is 12 or 13 (torch.version.cuda on the GPU machine), not '11'"
+    )
