@@ -14,8 +14,8 @@
 #   # there:
 #   python3 -m pip install --no-index --no-deps --target SITE DIR/*.whl && export PYTHONPATH=SITE:$PWD
 set -euo pipefail
+dir=$(realpath -m "${1:?usage: bench/offline_wheels.sh DIR [PYTHON_VERSION] [CUDA_MAJOR]}")  # as the caller gave it
 cd "$(dirname "$0")/.."
-dir="${1:?usage: bench/offline_wheels.sh DIR [PYTHON_VERSION]}"
 pyver="${2:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}"
 cuda="${3:-12}"
 pip="${PIP:-python3 -m pip}"

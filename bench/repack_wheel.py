@@ -2,7 +2,8 @@
 
 Wheels such as DALI's carry a compiled module per CPython version (``backend_impl.cpython-312-x86_64-linux-gnu.so``
 and its siblings for 3.10 to 3.15): a machine needs one of them. Extracting the archive where ``pip install
---target`` would put the wheel gives the same importable package.
+--target`` would put the wheel gives the same importable package (for wheels without a ``.data`` directory, which
+pip would move elsewhere: such wheels are refused).
 
     python -m bench.repack_wheel WHEEL 3.12 OUT.tar.xz
 """
@@ -27,9 +28,18 @@ def kept(name: str, version_tag: str) -> bool:
 
 
 def repack(wheel: Path, python_version: str, out: Path) -> tuple[int, int]:
-    """Write ``out`` from ``wheel``, less the other versions' compiled modules; (members kept, members left out)."""
+    """Write ``out`` from ``wheel``, less the other versions' compiled modules; (members kept, members left out).
+    ValueError for a wheel this cannot stand in for: one with a ``.data`` directory (pip moves its contents
+    elsewhere), or with compiled modules but none for ``python_version``."""
     tag = python_version.replace(".", "")
     kept_count = left_out = 0
+    with zipfile.ZipFile(wheel) as source:
+        names = [m.filename for m in source.infolist()]
+        if any(name.split("/")[0].endswith(".data") for name in names):
+            raise ValueError(f"{wheel.name} has a .data directory, which pip installs elsewhere: ship the wheel itself")
+        compiled = [name for name in names if _CPYTHON.search(name)]
+        if compiled and not any(kept(name, tag) for name in compiled):
+            raise ValueError(f"{wheel.name} has no compiled module for Python {python_version}")
     with zipfile.ZipFile(wheel) as source, tarfile.open(out, "w:xz") as archive:
         for member in source.infolist():
             if member.is_dir():
@@ -56,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"python_version must be like 3.12, got {args.python_version!r}")
     try:
         kept_count, left_out = repack(args.wheel, args.python_version, args.out)
-    except (OSError, zipfile.BadZipFile) as err:
+    except (OSError, zipfile.BadZipFile, ValueError) as err:
         print(f"python -m bench.repack_wheel: cannot repack {args.wheel}: {err}", file=sys.stderr)
         return 2
     print(f"{args.out}: {kept_count} files for Python {args.python_version}, {left_out} for other versions left out")

@@ -198,3 +198,17 @@ def test_offline_wheels_refuses_a_cuda_major_it_has_no_dali_for(tmp_path):
         result.stderr.strip()
         == "offline_wheels.sh: CUDA_MAJOR is 12 or 13 (torch.version.cuda on the GPU machine), not '11'"
     )
+
+
+def test_a_wheel_without_a_module_for_the_python_asked_is_not_repacked(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "nvidia_dali_cuda130-2.4.0-py3-none-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("nvidia/dali/backend_impl.cpython-311-x86_64-linux-gnu.so", b"")
+    command = [sys.executable, "-m", "bench.repack_wheel", str(wheel), "3.12", str(tmp_path / "out.tar.xz")]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2 and not (tmp_path / "out.tar.xz").exists()
+    assert result.stderr.strip() == (
+        f"python -m bench.repack_wheel: cannot repack {wheel}: {wheel.name} has no compiled module for Python 3.12"
+    )

@@ -36,25 +36,27 @@ skip_single_rank_reduction(engine)
 if case["zero_gradients"]:
     for p in engine.module.parameters():
         p.register_hook(torch.zeros_like)
-watch = LearningWatch(engine, lr_at=lambda step: 1e-2, peak_lr=1e-2)
 dtype = next(engine.module.parameters()).dtype
 gen = torch.Generator().manual_seed(1)
 loss_fn = lambda overflow: lambda out, y: (out.float() - y).abs().mean() * (float("inf") if overflow else 1.0)
 reports = []
 for step in range(1, case["steps"] + 1):
+    if step == case["watch_from"]:  # as a run resumed at this step would
+        watch = LearningWatch(engine, lr_at=lambda step: 1e-2, peak_lr=1e-2)
     x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 5, generator=gen)
     x, y = x.to(engine.device, dtype), y.to(engine.device)
-    micro_step(engine, x, y, loss_fn(step in case["overflow"]), after_backward=watch.after_backward)
-    if step % case["log_every"] == 0:
+    seen = watch.after_backward if step >= case["watch_from"] else None
+    micro_step(engine, x, y, loss_fn(step in case["overflow"]), after_backward=seen)
+    if step >= case["watch_from"] and (step - case["watch_from"] + 1) % case["log_every"] == 0:
         reports.append(vars(watch.report()))
 print(json.dumps({"reports": reports, "warnings": warnings, "changed": watch.weights_changed(),
                   "skipped": engine.skipped_steps}))
 """
 
 
-def watch(json_name: str, steps: int = 8, log_every: int = 4, zero_gradients: bool = False, overflow=()) -> dict:
+def watch(json_name: str, steps=8, log_every=4, zero_gradients=False, overflow=(), watch_from=1) -> dict:
     case = {"json": json_name, "steps": steps, "log_every": log_every, "zero_gradients": zero_gradients}
-    case["overflow"] = list(overflow)
+    case |= {"overflow": list(overflow), "watch_from": watch_from}
     command = [sys.executable, "-c", WATCHED, json.dumps(case)]
     result = subprocess.run(command, cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -94,3 +96,11 @@ def test_steps_skipped_after_the_loss_scale_search_are_warned_about():
     assert len(overflowing["warnings"]) == 1, overflowing["warnings"]
     # counted from step 4, the first applied: 10 of steps 4-24 skipped, at the log point where 20 steps are reached
     assert overflowing["warnings"][0].startswith("10 of the last 21 optimizer steps were skipped for overflow")
+
+
+def test_the_loss_scale_search_after_a_resume_is_not_counted():
+    """A run resumed with a loss scale too large for its gradients (a checkpoint of a run whose loss was never
+    scaled, whose scale only grew) searches downwards again: those skips are not counted either."""
+    resumed = watch("ds_fp16.json", steps=35, log_every=4, watch_from=8, overflow=range(8, 14))
+    assert resumed["warnings"] == [] and resumed["skipped"] == 6  # counted, 6 of steps 8 to 27 would be 30%
+    assert [r["skipped"] for r in resumed["reports"]] == [4, 2, 0, 0, 0, 0, 0]

@@ -33,7 +33,9 @@ def test_a_copy_inside_another_checkout_does_not_take_its_commit(tmp_path):
     shutil.copytree(REPO / "trainer", project / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
     assert _git(project, "rev-parse", "--short", "HEAD")  # git would answer with the outer checkout's commit
     assert _commit_seen_from(project) == "unknown"
-    # The copy carries the commit it was made from, written in the repository before copying.
+    # The copy carries the commit it was made from, written in the repository before copying (a stamp there
+    # before the test is put back).
+    earlier = (REPO / "COMMIT").read_bytes() if (REPO / "COMMIT").exists() else None
     stamp = subprocess.run(
         [sys.executable, "-m", "trainer.provenance"], cwd=REPO, capture_output=True, text=True, check=True
     )
@@ -41,5 +43,8 @@ def test_a_copy_inside_another_checkout_does_not_take_its_commit(tmp_path):
         assert stamp.stdout.strip() == f"COMMIT: {git_commit()}"
         shutil.copy(REPO / "COMMIT", project / "COMMIT")
     finally:
-        (REPO / "COMMIT").unlink()
+        if earlier is None:
+            (REPO / "COMMIT").unlink()
+        else:
+            (REPO / "COMMIT").write_bytes(earlier)
     assert _commit_seen_from(project) == git_commit() != "unknown"

@@ -45,12 +45,14 @@ def test_a_micro_batch_that_does_not_fit_is_one_line_saying_what_to_lower():
         "is free. Including non-PyTorch memory, this process has 138.30 GiB memory in use. Of the allocated memory "
         "130.00 GiB is allocated by PyTorch, and 7.00 GiB is reserved by PyTorch but unallocated."
     )
-    line = str(out_of_memory(torch.OutOfMemoryError(torch_says), 1024, 64, "cuda:0 (NVIDIA H200)"))
+    where = "epoch 1, batch 1, after step 0"
+    line = str(out_of_memory(torch.OutOfMemoryError(torch_says), 1024, 64, "cuda:0 (NVIDIA H200)", where))
     assert line == (
-        "a micro-batch of 1024 crops of 64^3 does not fit in the memory of cuda:0 (NVIDIA H200) (20.00 GiB asked, "
-        "1.50 GiB free of 139.81 GiB): lower micro_batch_size (gradient accumulation keeps the global batch) or "
-        "data_size"
+        "a micro-batch of 1024 crops of 64^3 does not fit in the memory of cuda:0 (NVIDIA H200) at epoch 1, batch 1, "
+        "after step 0 (20.00 GiB asked, 1.50 GiB free of 139.81 GiB): lower micro_batch_size (gradient accumulation "
+        "keeps the global batch) or data_size"
     )
-    bare = str(out_of_memory(torch.OutOfMemoryError("out of memory"), 8, 32, "cuda:1"))
-    assert bare.startswith("a micro-batch of 8 crops of 32^3 does not fit in the memory of cuda:1: lower micro_batch")
+    bare = str(out_of_memory(torch.OutOfMemoryError("out of memory"), 8, 32, "cuda:1", where))
+    assert bare.startswith("a micro-batch of 8 crops of 32^3 does not fit in the memory of cuda:1 at epoch 1, batch 1")
+    assert "): lower" not in bare and ": lower micro_batch_size" in bare
     assert "\n" not in line + bare

@@ -237,10 +237,10 @@ def fused_adam_problem() -> str | None:
     builder = get_accelerator().create_op_builder("FusedAdamBuilder")
     if builder is None:
         return f"DeepSpeed has no FusedAdam for the {get_accelerator().device_name()} accelerator"
+    if installed_ops.get(builder.name, False):
+        return None  # prebuilt: nothing is compiled, the arch list is not read
     if problem := fit_arch_list() or arch_list_problem(builder):  # parsed even where the op was built before
         return problem
-    if installed_ops.get(builder.name, False):
-        return None
     if jit_built(builder.name)[0]:
         return None
     if shutil.which("ninja") is None:
@@ -290,8 +290,9 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
             "DeepSpeed config sets optimizer.params.lr; set lr_schedule.start_lr in the experiment config"
         )
     params["lr"] = lr
-    if optimizer.get("type", "").lower() == "adam":
-        params.setdefault("adam_w_mode", False)
+    if optimizer.get("type", "").lower() in ("adam", "adamw"):  # both DeepSpeed's FusedAdam, or torch's
+        if optimizer["type"].lower() == "adam":
+            params.setdefault("adam_w_mode", False)
         if device_type == "cpu" and "torch_adam" not in params:
             # FusedAdam's CPU build is a 45 s JIT compile for no gain here; torch.optim.Adam is the same math.
             params["torch_adam"] = True

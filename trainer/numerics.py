@@ -73,7 +73,8 @@ class LearningWatch:
         self.digest = self.start_digest = weight_digest(optimizer_weights(engine))
         self.steps, self.skipped = engine.global_steps, engine.skipped_steps
         self._grad_norm: torch.Tensor | None = None
-        self._searching = engine.fp16_enabled() and engine.global_steps == engine.skipped_steps
+        # fp16's scale searches from wherever it starts, here or after a resume: up to the first applied step
+        self._searching = engine.fp16_enabled()
         self._window_steps = self._window_skipped = 0
         self._warned: set[str] = set()
 
@@ -129,10 +130,10 @@ class LearningWatch:
         return report
 
     def _count_skipped(self, steps: int, skipped: int, report: Report) -> None:
-        """Skipped steps after fp16's initial loss-scale search (it ends at the first applied step), in windows of
-        SKIPPED_WINDOW_STEPS or more."""
+        """Skipped steps after fp16's loss-scale search (from the scale the run starts or resumes with; it ends at
+        the first applied step), in windows of SKIPPED_WINDOW_STEPS or more."""
         if self._searching:
-            if self.steps == self.skipped:  # nothing applied yet: all of it was the search
+            if steps == skipped:  # nothing applied yet: all of it was the search
                 return
             self._searching = False
             steps, skipped = steps - skipped, 0  # this interval's applied steps, which came after the search

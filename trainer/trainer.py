@@ -60,15 +60,15 @@ def evaluate(engine: Any, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], l
     return float(totals[0] / totals[1])
 
 
-def out_of_memory(err: torch.OutOfMemoryError, micro_batch: int, crop: int, device: str) -> ConfigError:
-    """The one line for a micro-batch that does not fit: what was asked and what was free (from torch's message, which
-    says it for CUDA), and what to lower."""
+def out_of_memory(err: torch.OutOfMemoryError, micro_batch: int, crop: int, device: str, where: str) -> ConfigError:
+    """The one line for a micro-batch that does not fit: where, what was asked and what was free (from torch's
+    message, which says it for CUDA), and what to lower."""
     text = " ".join(str(err).split())
     asked = re.search(r"Tried to allocate ([\d.]+ \w+)", text)
     free = re.search(r"total capacity of ([\d.]+ \w+) of which ([\d.]+ \w+) is free", text)
     memory = ", ".join(([f"{asked[1]} asked"] if asked else []) + ([f"{free[2]} free of {free[1]}"] if free else []))
     return ConfigError(
-        f"a micro-batch of {micro_batch} crops of {crop}^3 does not fit in the memory of {device}"
+        f"a micro-batch of {micro_batch} crops of {crop}^3 does not fit in the memory of {device} at {where}"
         f"{f' ({memory})' if memory else ''}: lower micro_batch_size (gradient accumulation keeps the global batch) "
         "or data_size"
     )
@@ -262,8 +262,9 @@ class Trainer:
         try:
             return self._train()
         except torch.OutOfMemoryError as err:
+            log.debug("out of memory at %s: %s", self._where(), err)
             micro = self.engine.train_micro_batch_size_per_gpu()
-            raise out_of_memory(err, micro, self.cfg.data_size, device_name(self.device)) from None
+            raise out_of_memory(err, micro, self.cfg.data_size, device_name(self.device), self._where()) from None
 
     def _train(self) -> dict[str, Any]:
         cfg, engine = self.cfg, self.engine
