@@ -2,7 +2,8 @@
 
 An external source hands the graph the per-sample arguments of each batch (crop corners, rotation); the
 graph cuts the crops, rotates them (inputs and targets alike, vector channels turned with the volume),
-casts the inputs to the engine's dtype and, for channels-last training, moves the channels last. Where
+casts the inputs to the engine's dtype and, for channels-last training, moves the channels last (for
+resident volumes, in one function: see ``ResidentCrops``). Where
 the crops come from is the storage mode's business (the ``*Crops`` sources below):
 
 - ``HostCrops`` (storage ``host``): the volumes in this process's memory, listed once per sample by the
@@ -10,10 +11,11 @@ the crops come from is the storage mode's business (the ``*Crops`` sources below
   copied) and cut by ``fn.slice`` at voxel anchors on DALI's CPU threads; on a GPU the crops are then
   uploaded and rotated there.
 - ``ResidentCrops`` (storage ``device``): volumes resident in GPU memory, held by a function that DALI
-  calls on its own CUDA stream (``fn.dl_tensor_python_function``), which gathers the batch's crops in one
-  kernel per volume. The volume never enters the graph as data: a GPU external source would copy a batch
-  that lists it once per sample into one buffer (DALI's documentation of ``no_copy``). The same function
-  cuts volumes in host memory when the graph runs on the CPU.
+  calls on its own CUDA stream (``fn.dl_tensor_python_function``), which makes the whole training batch
+  with the torch backend's ``DeviceCutter``: cut, rotated, laid out and cast in two passes, one
+  implementation for both backends. The volume never enters the graph as data: a GPU external source would
+  copy a batch that lists it once per sample into one buffer (DALI's documentation of ``no_copy``). The
+  same function cuts volumes in host memory when the graph runs on the CPU.
 - ``NumpyCrops`` (storage ``lazy``, .npy files): DALI's numpy reader reads each crop as a region of
   interest of the files, on the CPU (which memory-maps the file and reads only those pages); the crops are then
   uploaded. DALI 2.4's GPU numpy reader (GPUDirect Storage) reads each sample's whole file before it cuts the region
@@ -27,7 +29,6 @@ of a converged L1 of about 5e-3. The same graph runs on the CPU (``device_id=Non
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch.utils.dlpack import to_dlpack
 from pipeline.crops import CropBatcher
 from pipeline.rotations import AXIS_PERMUTATIONS, VectorGroups, channel_order
 from pipeline.sampling import Augmenter, DrawPlan, SampleDraw
-from pipeline.torch_backend import gather_crops
+from pipeline.torch_backend import DeviceCutter
 from pipeline.volumes import VolumeFiles, VolumePair
 
 # DALI has no bfloat16: such batches leave the pipeline as float32 and are cast by torch.
@@ -62,7 +63,7 @@ def rotation_arrays(draws: list[SampleDraw], augmenter: Augmenter) -> tuple[np.n
 class BatcherCrops:
     """Crops cut by a ``CropBatcher`` (rotated already where ``batcher.rotate_here``), a batch at a time."""
 
-    padded = False
+    padded, finished, cut_at_corners = False, False, False
 
     def __init__(self, batcher: CropBatcher) -> None:
         self.batcher = batcher
@@ -86,7 +87,7 @@ class BatcherCrops:
 class HostCrops:
     """Crops sliced by DALI's CPU threads out of volumes in host memory, handed to the graph without a copy."""
 
-    padded, rotated = False, False
+    padded, rotated, finished, cut_at_corners = False, False, False, True
     layouts = ["CDHW", "CDHW"]
 
     def __init__(self, volumes: VolumePair, threads: int) -> None:
@@ -108,48 +109,65 @@ class HostCrops:
 
 
 class ResidentCrops:
-    """Crops gathered from volumes held by this object, by a function DALI calls with the batch's corners:
-    on a GPU, tensors resident in its memory, gathered on DALI's CUDA stream; on the CPU, host arrays."""
+    """The training batch itself, made from volumes held by this object by the torch backend's ``DeviceCutter``
+    in a function that DALI calls with each batch's draws: crops cut, rotated, laid out (channels-last) and cast
+    in two passes over the batch, and a third where DALI copies them into its output. On a GPU the volumes are
+    resident in its memory and the function runs on DALI's CUDA stream; on the CPU they are host tensors."""
 
-    padded, rotated = False, False
-    layouts: list[str] = []
+    padded, rotated, finished, cut_at_corners = False, True, True, False
+    layouts = [""]  # the feed hands over each sample's (rotation, corner)
 
-    def __init__(self, nbody: torch.Tensor, hydro: torch.Tensor) -> None:
+    def __init__(
+        self,
+        nbody: torch.Tensor,
+        hydro: torch.Tensor,
+        augmenter: Augmenter,
+        crop_size: int,
+        dtype: torch.dtype,
+        channels_last: bool,
+    ) -> None:
         self.volumes = (nbody, hydro)
         self.on_gpu = nbody.device.type == "cuda"
-        self.threads = 1  # nothing is cut on the CPU
+        self.cutter = DeviceCutter(augmenter, crop_size, nbody.device)
+        self.dtypes = (torch.float32 if dtype == torch.bfloat16 else dtype, torch.float32)  # DALI has no bfloat16
+        self.channels_last = channels_last
+        self.threads = 1  # nothing is cut on the CPU's threads
 
     def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> list[Any]:
-        return []
+        return [np.array([[d.rotation, *d.corner] for d in draws], dtype=np.int64)]
 
-    def _gather(self, corners: list[Any], size: int) -> tuple[Any, Any]:
-        """Called by DALI with the batch's corners (DLPack, on the volumes' device): the crops of both volumes."""
+    def _make(self, draws: list[Any]) -> tuple[Any, Any]:
+        """Called by DALI with the batch's draws (DLPack, on the volumes' device): the batch's inputs and targets."""
         if not self.on_gpu:
-            return self._crops(corners, size)
-        # DALI's stream: the graph's work before and after this call is ordered with the gathers without a host
-        # sync, and memory that torch frees here is reused on that stream only, after DALI has copied the crops.
+            return self._batch(draws)
+        # DALI's stream: the graph's work before and after this call is ordered with the cutter's without a host
+        # sync, and memory that torch frees here is reused on that stream only, after DALI has copied the batch.
         device = self.volumes[0].device
         stream = torch.cuda.ExternalStream(ops.PythonFunction.current_stream().ptr, device=device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            return self._crops(corners, size)
+            return self._batch(draws)
 
-    def _crops(self, corners: list[Any], size: int) -> tuple[Any, Any]:
-        corner = torch.stack([torch.from_dlpack(c) for c in corners])
-        # Per output, one DLPack per sample: views of the batch's crops, which DALI copies into its own buffer. Crops
-        # of float16 volumes (device_storage_dtype) are made float32 here: DALI's CPU flip refuses float16.
-        return tuple([to_dlpack(crop) for crop in gather_crops(v, corner, size).float()] for v in self.volumes)
+    def _batch(self, draws: list[Any]) -> tuple[Any, Any]:
+        args = torch.stack([torch.from_dlpack(d) for d in draws])
+        batch = self.cutter(self.volumes, args, self.dtypes, self.channels_last)
+        if self.channels_last:  # the NDHWC memory the cutter wrote, which DALI takes as DHWC samples
+            batch = [t.permute(0, 2, 3, 4, 1) for t in batch]
+        # Per output, one DLPack per sample: views of the batch, which DALI copies into its own buffer.
+        return tuple([to_dlpack(sample) for sample in t] for t in batch)
 
     def cut(self, given: list[Any], corners: Any, crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
         if on_gpu != self.on_gpu:
             raise ValueError("resident volumes must be on the device the graph runs on")
+        (draws,) = given
+        layout = "DHWC" if self.channels_last else "CDHW"
         return fn.dl_tensor_python_function(
-            corners.gpu() if on_gpu else corners,
-            function=functools.partial(self._gather, size=crop_size),
+            draws.gpu() if on_gpu else draws,
+            function=self._make,
             num_outputs=2,
             batch_processing=True,
             synchronize_stream=False,
             device="gpu" if on_gpu else "cpu",
-            output_layouts=["CDHW", "CDHW"],
+            output_layouts=[layout, layout],
         )
 
     def close(self) -> None:
@@ -160,7 +178,7 @@ class NumpyCrops:
     """Crops read from .npy files by DALI's numpy reader, each a region of interest of the file. The reader
     reads a fixed number of samples per batch: a short last batch is padded and trimmed by ``DaliLoader``."""
 
-    padded, rotated = True, False
+    padded, rotated, finished, cut_at_corners = True, False, False, True
     layouts: list[str] = []
 
     def __init__(self, volumes: VolumePair, batch_size: int, threads: int) -> None:
@@ -217,7 +235,7 @@ class _Feed:
     ) -> None:
         self.plan, self.augmenter, self.crops = plan, augmenter, crops
         self.first_epoch, self.first_batch, self.rotate_here = first_epoch, first_batch, rotate_here
-        self.corners = not isinstance(crops, BatcherCrops)  # the graph cuts the crops at these corners
+        self.corners = crops.cut_at_corners  # the graph cuts the crops at these corners
         self.num_outputs = len(crops.layouts) + self.corners + (4 if rotate_here else 0)
 
     def __call__(self, info: Any) -> list[Any]:  # info: nvidia.dali.types.BatchInfo
@@ -279,6 +297,8 @@ def _graph(feed: _Feed, crop_size: int, on_gpu: bool, dtype, channels_last: bool
     given, args = nodes[: len(crops.layouts)], nodes[len(crops.layouts) :]
     corners = args.pop(0) if feed.corners else None
     inp, tar = crops.cut(given, corners, crop_size, on_gpu)
+    if crops.finished:  # the crops' own function made the training batch (ResidentCrops)
+        return inp, tar
     if feed.rotate_here:
         perm_index, flips, sign_in, sign_out = args
         if on_gpu:

@@ -217,7 +217,7 @@ def build_loader(
     if batcher is not None:
         crops = dali.BatcherCrops(batcher)
     elif resident is not None:
-        crops = dali.ResidentCrops(*resident)
+        crops = dali.ResidentCrops(*resident, augmenter, plan.crop_size, dtype, settings.channels_last)
     elif storage == "host":
         crops = dali.HostCrops(source, settings.threads)
     else:

@@ -25,28 +25,17 @@ def pinned_buffer(shape: tuple[int, ...]) -> np.ndarray:
     return torch.empty(shape, dtype=torch.float32, pin_memory=True).numpy()
 
 
-def gather_crops(volume: torch.Tensor, corners: torch.Tensor, size: int) -> torch.Tensor:
-    """The (B, C, S, S, S) crops of a (C, L, L, L) volume at ``corners`` ((B, 3) on the volume's device), as they
-    lie: one gather for the whole batch, no per-sample kernels and no copy of the volume."""
-    channels, extent, batch = volume.shape[0], volume.shape[-1], len(corners)
-    strides = torch.tensor([extent**2, extent, 1], device=volume.device)
-    offsets = (corners.long()[:, :, None] + torch.arange(size, device=volume.device)) * strides[:, None]  # (B, 3, S)
-    spatial = offsets[:, 0, :, None, None] + offsets[:, 1, None, :, None] + offsets[:, 2, None, None, :]
-    flat = volume.reshape(1, channels, extent**3).expand(batch, -1, -1)  # one volume serves every sample
-    taken = torch.gather(flat, 2, spatial.view(batch, 1, size**3).expand(-1, channels, -1))
-    return taken.view(batch, channels, size, size, size)
-
-
 class DeviceCutter:
-    """Cuts and rotates the crops of a batch on the device: two gathers and one multiply per tensor.
+    """Cuts and rotates the crops of a batch on the device in two passes per tensor: one gather, one multiply.
 
     Output voxel (c, i0, i1, i2) of sample b reads source channel ``order[c]`` at the coordinates where
     input axis ``perm[a]`` takes ``corner + i_a`` (``corner + S - 1 - i_a`` where the rotation reverses
     output axis a), times the channel's sign: ``pipeline.rotations.rotate_into``, exactly. The spatial
-    offset of each output voxel is the sum of three per-axis vectors; one gather takes every channel at
-    those offsets (the (B, S^3) offsets broadcast over channels), a second puts the channels in order (in
-    NDHWC memory for channels-last), and the sign multiply writes the training dtype. The per-sample
-    arguments reach the device in one small non-blocking copy.
+    offset of each output voxel is the sum of three per-axis vectors; one indexing takes every output voxel
+    at once, from its source channel (the (B, C) channel orders) at its offset (the (B, S^3) offsets), both
+    broadcast rather than spelled out per voxel, and lays it out as it goes (NDHWC memory for channels-last);
+    the sign multiply writes the training dtype. The per-sample arguments reach the device in one small
+    non-blocking copy.
     """
 
     def __init__(self, augmenter: Augmenter, crop_size: int, device: torch.device) -> None:
@@ -94,22 +83,28 @@ class DeviceCutter:
         coords = torch.where(flip[..., None], size - 1 - self.steps, self.steps) + corner.gather(1, perm)[..., None]
         offsets = coords * (extent ** (2 - perm))[..., None]  # (B, 3, S)
         spatial = offsets[:, 0, :, None, None] + offsets[:, 1, None, :, None] + offsets[:, 2, None, None, :]
-        spatial = spatial.view(batch, 1, size**3)
+        spatial = spatial.view(batch, size**3)
         out = []
         for volume, (order_table, sign_table), dtype in zip(sources, self.tables, dtypes, strict=True):
             channels = volume.shape[-4]
-            flat = volume.reshape(-1, channels, extent**3).expand(batch, -1, -1)  # one volume serves every sample
-            taken = torch.gather(flat, 2, spatial.expand(-1, channels, -1))  # (B, C, S^3): source channel order
             order, sign = order_table[rotation], sign_table[rotation]  # (B, C)
-            if channels_last:  # NDHWC memory, seen as NCDHW
-                ordered = torch.gather(taken.transpose(1, 2), 2, order[:, None, :].expand(-1, size**3, -1))
+            # Indices that broadcast to (B, C, S^3), or to (B, S^3, C) for channels-last (voxel-major memory).
+            if channels_last:
+                channel_index, voxel_index = order[:, None, :], spatial[:, :, None]
+            else:
+                channel_index, voxel_index = order[:, :, None], spatial[:, None, :]
+            if volume.dim() == 4:  # one volume serves every sample
+                taken = volume.reshape(channels, extent**3)[channel_index, voxel_index]
+            else:  # sample b is cut from sample b of the source batch
+                samples = torch.arange(batch, device=volume.device)[:, None, None]
+                taken = volume.reshape(batch, channels, extent**3)[samples, channel_index, voxel_index]
+            if channels_last:
                 result = torch.empty((batch, size, size, size, channels), dtype=dtype, device=volume.device)
-                torch.mul(ordered.view(result.shape), sign[:, None, None, None, :], out=result)
+                torch.mul(taken.view(result.shape), sign[:, None, None, None, :], out=result)
                 out.append(result.permute(0, 4, 1, 2, 3))
             else:
-                ordered = torch.gather(taken, 1, order[:, :, None].expand(-1, -1, size**3))
                 result = torch.empty((batch, channels, size, size, size), dtype=dtype, device=volume.device)
-                torch.mul(ordered.view(result.shape), sign[:, :, None, None, None], out=result)
+                torch.mul(taken.view(result.shape), sign[:, :, None, None, None], out=result)
                 out.append(result)
         return out
 

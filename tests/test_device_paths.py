@@ -45,7 +45,10 @@ def _loader(backend, device, volumes, source, storage_dtype, dtype, aug=AUG, pla
     if backend == "dali":
         from pipeline.dali import BatcherCrops, DaliLoader, ResidentCrops
 
-        crops = BatcherCrops(batcher) if source == "batcher" else ResidentCrops(*resident)
+        if source == "batcher":
+            crops = BatcherCrops(batcher)
+        else:
+            crops = ResidentCrops(*resident, aug, plan.crop_size, dtype, channels_last=False)
         return DaliLoader(crops=crops, device_id=device.index if device.type == "cuda" else None, **common)
     from pipeline.torch_backend import TorchLoader
 
@@ -186,7 +189,7 @@ def test_dali_cuts_crops_without_copying_the_volume(device_type, storage):
         if storage == "host":
             crops = HostCrops(volumes, threads=2)
         else:
-            crops = ResidentCrops(*to_device(volumes, device, "float32"))
+            crops = ResidentCrops(*to_device(volumes, device, "float32"), AUG, CROP, torch.float32, channels_last=False)
         loader = DaliLoader(plan=plan, augmenter=AUG, crops=crops, device_id=device.index, dtype=torch.float32)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -64,7 +64,7 @@ def test_channels_last_on_the_device_paths(volumes, backend, source, rotate):
             if source == "batcher":
                 crops = BatcherCrops(CropBatcher(volumes, plan, AUG, rotate_here=False, threads=1, lookahead=1, hold=2))
             else:
-                crops = ResidentCrops(*resident)
+                crops = ResidentCrops(*resident, AUG, plan.crop_size, torch.float32, channels_last)
             loader = DaliLoader(crops=crops, device_id=None, **common)
         else:
             from pipeline.torch_backend import TorchLoader
