@@ -143,8 +143,11 @@ class TorchLoader:
         self.batcher, self.resident = batcher, resident
         self.epoch, self.next_batch = first_epoch, first_batch
         self.channels_last = channels_last
-        # Batches from the CPU go up on a stream of their own, overlapping the training step on the GPU.
-        self.copy_stream = torch.cuda.Stream(device) if batcher is not None and device.type == "cuda" else None
+        # Batches from the CPU go up on a stream of their own, overlapping the training step on the GPU; batches of
+        # resident volumes are cut on one, a batch ahead, the same way.
+        on_gpu = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if batcher is not None and on_gpu else None
+        self.cut_stream = torch.cuda.Stream(device) if resident is not None and on_gpu else None
 
     def close(self) -> None:
         """Stop the batcher's threads (where there is one) and the work they had started ahead."""
@@ -154,10 +157,36 @@ class TorchLoader:
     def __len__(self) -> int:
         return self.plan.num_batches
 
+    def _cut_ahead(self, index: int) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Batch ``index`` of resident volumes, queued on the cut stream (on a GPU) with the event that ends it."""
+        args = self.cutter.arguments(self.plan.batch_draws(self.epoch, index), cut_already=False)
+        if self.cut_stream is None:
+            return self.cutter(self.resident, args, (self.dtype, torch.float32), self.channels_last), None
+        with torch.cuda.stream(self.cut_stream):
+            batch = self.cutter(self.resident, args, (self.dtype, torch.float32), self.channels_last)
+            cut = torch.cuda.Event()
+            cut.record(self.cut_stream)
+        return batch, cut
+
+    def _handed_over(self, batch: list[torch.Tensor], cut: torch.cuda.Event | None) -> tuple[torch.Tensor, ...]:
+        """The training stream waits for the cut on the GPU, and the allocator keeps the batch's memory until the
+        training stream is done with it (it was made on the cut stream)."""
+        if cut is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(cut)
+            for tensor in batch:
+                tensor.record_stream(compute)
+        return tuple(batch)
+
+    def _resident_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches of resident volumes, each cut while the one before it trains: batch i + 1 is queued on the cut
+        stream before batch i is handed over (on a CPU, the same order without streams)."""
+        ahead = self._cut_ahead(self.next_batch) if self.next_batch < self.plan.num_batches else None
+        for index in range(self.next_batch, self.plan.num_batches):
+            current, ahead = ahead, self._cut_ahead(index + 1) if index + 1 < self.plan.num_batches else None
+            yield self._handed_over(*current)
+
     def _batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.batcher is None:
-            args = self.cutter.arguments(self.plan.batch_draws(self.epoch, index), cut_already=False)
-            return self.cutter(self.resident, args, (self.dtype, torch.float32), self.channels_last)
         batch = self.batcher.get(self.epoch, index)
         if self.copy_stream is not None:
             inp, tar = self._upload(batch)
@@ -191,6 +220,9 @@ class TorchLoader:
         ring of buffers: each stays intact while the next one is processed (the ring holds one returned batch
         beyond the one being cut into), so a training step reads it in place; a consumer that keeps batches
         longer clones them."""
-        for index in range(self.next_batch, self.plan.num_batches):
-            yield self._batch(index)
+        if self.batcher is None:
+            yield from self._resident_batches()
+        else:
+            for index in range(self.next_batch, self.plan.num_batches):
+                yield self._batch(index)
         self.epoch, self.next_batch = self.epoch + 1, 0
