@@ -8,14 +8,13 @@ import platform
 import socket
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
 from trainer.provenance import REPO as REPO  # re-exported for the benchmarks
-from trainer.provenance import cpu_info, git_commit
+from trainer.provenance import cpu_info, git_commit, software
 
 
 def append_records(path: Path, records: list[dict[str, Any]]) -> None:
@@ -58,13 +57,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _cpu_model() -> str:
     return cpu_info().model or platform.processor() or "unknown"
 
@@ -76,10 +68,7 @@ def environment() -> dict[str, Any]:
         "device": gpu or "cpu",
         "cpu": _cpu_model(),
         "cores": len(os.sched_getaffinity(0)),
-        "torch": torch.__version__,
-        "dali": _version("nvidia-dali-cuda120") or _version("nvidia-dali-cuda130"),
-        "deepspeed": _version("deepspeed"),
-        "python": platform.python_version(),
+        **software(),
         "commit": git_commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import functools
+import platform
 import subprocess
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
+from typing import Any
+
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,6 +37,26 @@ def cpu_info() -> CpuInfo:
     mhz = tuple(float(value) for key, value in fields if key == "cpu MHz")
     flags = next((frozenset(value.split()) for key, value in fields if key == "flags"), frozenset())
     return CpuInfo(model, mhz, flags)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def software() -> dict[str, Any]:
+    """The versions that decide what a run computes and how fast: torch with the CUDA and cuDNN it runs (None
+    without), DeepSpeed, DALI (either CUDA build) and Python."""
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "deepspeed": _version("deepspeed"),
+        "dali": _version("nvidia-dali-cuda120") or _version("nvidia-dali-cuda130"),
+        "python": platform.python_version(),
+    }
 
 
 # Where a copy of the project made for a machine without its repository keeps the commit it was copied from

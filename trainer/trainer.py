@@ -39,6 +39,7 @@ from trainer.engine import (
 from trainer.errors import ConfigError, DistError
 from trainer.numerics import LearningWatch
 from trainer.preemption import StopRequest
+from trainer.provenance import software
 from trainer.rundir import PROFILE, RunDir
 from trainer.runlog import RunLog
 from trainer.step import StepGuard, micro_step, phase
@@ -340,6 +341,7 @@ class Trainer:
             "accumulation": engine.gradient_accumulation_steps(),
             "global_batch": engine.train_batch_size(),
             "device": device_name(self.device),
+            **software(),
             "precision": precision_name(self.dtype),
             "zero_stage": engine.zero_optimization_stage(),
             "storage": self.data.settings.storage,
