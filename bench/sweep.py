@@ -151,6 +151,7 @@ FAST_PATHS = {
     "cudnn_benchmark": ["--cudnn_benchmark", "true"],
     "compile": ["--compile", "true"],
     "no step sync": ["--nonfinite_loss", "ignore"],
+    "pad last layer": ["--pad_last_layer", "true"],
 }
 PLAIN_PATH = [
     "--channels_last",
@@ -161,6 +162,8 @@ PLAIN_PATH = [
     "false",
     "--nonfinite_loss",
     "skip",
+    "--pad_last_layer",
+    "false",
 ]
 # Tried last, on fp16 only, and joined to "all fast paths" only once measured to help: compile with CUDA graphs;
 # torch's fused Adam in place of DeepSpeed's FusedAdam (no JIT build; DeepSpeed's unfused fp16 wrapper around it).

@@ -32,9 +32,9 @@ import torch.distributed as torch_dist
 
 from bench.env import REPO, append_records, environment
 from bench.flops import model_flops, utilization
-from model import Loss, UNet
+from model import Loss
 from pipeline.cli import output_file
-from trainer.build import Data, Engine, build_data, build_engine, prepare_data
+from trainer.build import Data, Engine, build_data, build_engine, build_model, prepare_data
 from trainer.config import Config, build_config, config_parser, load_named, parse_config_options
 from trainer.dist import Device, DistEnv, init_distributed
 from trainer.engine import precision_name
@@ -177,9 +177,7 @@ class Case:
     def plain(self) -> Callable[[Marks], float]:
         """The same model and batch stepped by plain PyTorch: torch.optim.Adam, DDP across ranks, autocast."""
         cfg = self.cfg
-        torch.manual_seed(cfg.seed)
-        model = UNet(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth).to(self.engine.device)
-        model.init_weights(cfg.weight_init.conv_scale, cfg.weight_init.conv_bias)
+        model = build_model(cfg).to(self.engine.device)
         if self.dist.world_size > 1:
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.cuda else None

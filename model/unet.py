@@ -11,6 +11,7 @@ Channels per level are ``min(width * 2^i, 8 * width)``: with the defaults (width
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -41,6 +42,23 @@ class UNet(nn.Module):
                 )
             )
         self.last = nn.ConvTranspose3d(2 * channels[0], out_channels, 4, stride=2, padding=1)
+        self.last_padded_to = out_channels
+
+    def pad_last_layer(self, multiple: int) -> None:
+        """Compute the last layer with its output channels padded with zero filters to a multiple of ``multiple``
+        (tensor cores want channel counts that are multiples of 8; the last layer has 5), and drop the padding from
+        its output: the same values, and the same parameters and checkpoints, as without it."""
+        out = self.last.out_channels
+        self.last_padded_to = -(-out // multiple) * multiple
+
+    def _last(self, x: torch.Tensor) -> torch.Tensor:
+        layer, extra = self.last, self.last_padded_to - self.last.out_channels
+        if not extra:
+            return layer(x)
+        weight = F.pad(layer.weight, (0, 0, 0, 0, 0, 0, 0, extra))  # (in, out, k, k, k): zero filters appended
+        bias = F.pad(layer.bias, (0, extra))
+        padded = F.conv_transpose3d(x, weight, bias, stride=layer.stride, padding=layer.padding)
+        return padded[:, : layer.out_channels]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         skips = []
@@ -50,7 +68,7 @@ class UNet(nn.Module):
         skips.pop()  # the bottom level feeds the first up-convolution directly
         for block in self.up:
             x = torch.cat([block(x), skips.pop()], dim=1)
-        return torch.tanh(self.last(x))
+        return torch.tanh(self._last(x))
 
     def init_weights(self, conv_scale: float = 0.02, conv_bias: float | None = 0.0) -> None:
         """The reference's init: conv weights ~ N(0, conv_scale), biases set to conv_bias (left alone if None)."""

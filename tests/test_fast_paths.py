@@ -109,6 +109,7 @@ def test_training_with_the_fast_paths_matches_the_plain_path(tmp_path):
     plain = _final_val_loss(tmp_path, "plain")
     assert _final_val_loss(tmp_path, "channels_last", "--channels_last", "true") == pytest.approx(plain, rel=1e-5)
     assert _final_val_loss(tmp_path, "compiled", "--compile", "true") == pytest.approx(plain, rel=1e-5)
+    assert _final_val_loss(tmp_path, "padded", "--pad_last_layer", "true") == pytest.approx(plain, rel=1e-5)
 
 
 def test_switches_warn_where_they_cannot_work(tmp_path):

@@ -93,3 +93,24 @@ def test_loss_density_term_does_not_overflow_in_half_precision():
     target = torch.full((1, 5, 2, 2, 2), 0.8, dtype=torch.float16)
     loss = Loss(lambda_rho=1.0, lambda_pk=1.0)(pred + torch.rand_like(pred) / 10, target)
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
+
+
+def test_the_last_layer_padded_to_8_channels_computes_the_same():
+    """Zero filters appended to the last layer's 5 and their outputs dropped: the same outputs and gradients, the
+    same parameters and state dict."""
+    torch.manual_seed(0)
+    plain = UNet(4, 5, width=4, depth=3)
+    padded = UNet(4, 5, width=4, depth=3)
+    padded.load_state_dict(plain.state_dict())
+    padded.pad_last_layer(8)
+    assert padded.last_padded_to == 8 and plain.last_padded_to == 5
+    assert {k: v.shape for k, v in padded.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+    x, y = torch.randn(2, 4, 16, 16, 16), torch.rand(2, 5, 16, 16, 16) - 0.5
+    outputs = []
+    for net in (plain, padded):
+        out = net(x)
+        Loss()(out, y).backward()
+        outputs.append(out.detach())
+    assert torch.allclose(outputs[0], outputs[1], rtol=1e-6, atol=1e-7)
+    for p, q in zip(plain.parameters(), padded.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-9)

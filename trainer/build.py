@@ -202,6 +202,16 @@ def engine_config(cfg: Config, world_size: int, device_type: str) -> dict[str, A
     )
 
 
+def build_model(cfg: Config) -> UNet:
+    """The config's U-Net, seeded and initialized as the reference does, with the config's fast paths."""
+    torch.manual_seed(cfg.seed)
+    model = UNet(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth)
+    model.init_weights(cfg.weight_init.conv_scale, cfg.weight_init.conv_bias)
+    if cfg.pad_last_layer:
+        model.pad_last_layer(8)
+    return model
+
+
 @dataclass
 class Engine:
     """DeepSpeed's engine and what was decided with it."""
@@ -231,9 +241,7 @@ def build_engine(cfg: Config, dist: DistEnv, device: Device) -> Engine:
         log.info("no lr warm-up: it applies only when the lr is scaled up (scaling != none, global > base batch)")
     ds_config = engine_config(cfg, dist.world_size, device.type)
 
-    torch.manual_seed(cfg.seed)
-    model = UNet(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth)
-    model.init_weights(cfg.weight_init.conv_scale, cfg.weight_init.conv_bias)
+    model = build_model(cfg)
 
     def make_schedule(optimizer: torch.optim.Optimizer) -> ScaledCosineSchedule:
         return ScaledCosineSchedule(

@@ -192,6 +192,12 @@ class Config:
     cudnn_benchmark: bool | None = _field(
         None, "let cuDNN time and pick convolution algorithms (null: on with a GPU)", resumable=True
     )
+    pad_last_layer: bool = _field(
+        False,
+        "compute the last layer's 5 output channels as 8, with zero filters, and drop the 3 (the same values and "
+        "checkpoints; tensor cores want multiples of 8)",
+        resumable=True,
+    )
     compile: bool = _field(
         False, "compile the model with torch.compile through the engine (engine.compile())", resumable=True
     )
