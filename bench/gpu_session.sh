@@ -4,7 +4,8 @@
 #      for everything after), short fp16 and bf16 runs of bs64_opt that must lower the validation loss and change
 #      the weights without a "not learning" warning, the GPU tests, and a micro-batch too large for the GPU, which
 #      must end in one line and status 2;
-#   2. speed, at most SPEED_S (300): the single-GPU speed table (bench.sweep --preset gpu-speed);
+#   2. speed, at most SPEED_S (300): the headline case, the pipeline's device storage alone, one profiled run, the
+#      single levers (bench.sweep --preset gpu-speed);
 #   3. the rest: the pipeline's throughput (bench/gpu_check.sh, its tests ran in part 1) for at most CHECK_S (150), then
 #      bench.tune on bs64_opt's micro-batch and precision for TUNE_S (90; 0 skips it).
 # Results go to OUT as they are measured. After each part, OUT is packed into PACK_TO/session.tar.gz beside
@@ -97,6 +98,7 @@ else
 fi
 boxes=(--synthetic "{train_box_size: 256, val_box_size: 128, seed: 0}" --train_path data/bench/gpu_train.h5
   --val_path data/bench/gpu_val.h5 --storage device)
+headline=(--channels_last true --cudnn_benchmark true)  # bench.sweep's HEADLINE
 for precision in fp16 bf16; do
   run="$out/learn-$precision"
   seconds=$(left $correct_end)
@@ -163,19 +165,45 @@ else
 fi
 pack
 
-# 2. Speed (SPEED_S=0 skips it).
+# 2. Speed, in SPEED_S seconds (0 skips it), most wanted first: the headline case (fp16, FusedAdam, channels-last
+# with cudnn.benchmark; synthetic, full and the plain torch loop), DALI's and torch's device storage alone (the
+# pipeline at 64^3, batch 64, against the limit of plain copies), one profiled run (the ten most expensive kernels
+# and each block's share: learn-profile/profile/summary_rank0.txt), then the single levers of the gpu-speed sweep.
 speed_s=${SPEED_S:-300}
 if [ "$speed_s" -gt 0 ]; then
-  # timeout signals the sweep's whole process group: the running case goes too, its finished records stay.
-  timeout --kill-after 10 "$speed_s" "$py" -m bench.sweep --preset gpu-speed --no_report --out "$out/train.jsonl" \
-    "${optimizer[@]}" > "$out/speed.log" 2>&1
+  speed_end=$((SECONDS + speed_s))
+  sweep() {  # bench.sweep's gpu-speed cases of one sweep; timeout signals its process group, finished records stay
+    timeout --kill-after 10 "$(left $speed_end)" "$py" -m bench.sweep --preset gpu-speed --only "$1" --no_report \
+      --out "$out/train.jsonl" "${optimizer[@]}" >> "$out/speed.log" 2>&1
+  }
+  sweep headline
   status=$?
   records=$(cat "$out/train.jsonl" 2>/dev/null | wc -l)
-  case $status in
-    0) note PASS speed "$records record(s) in train.jsonl" ;;
-    124 | 137) note INFO speed "stopped after $speed_s s: its $records finished case(s) are in train.jsonl" ;;
-    *) note FAIL speed "status $status, $records record(s) (speed.log)" ;;
-  esac
+  note "$([ $status = 0 ] && echo PASS || echo FAIL)" speed_headline "status $status, $records record(s) in train.jsonl"
+  if [ "$(left $speed_end)" -gt 30 ]; then
+    timeout --kill-after 10 "$(left $speed_end)" "$py" -m bench.pipeline --data data/bench/gpu_train.h5 --crops 64 \
+      --batch 64 --batches 20 --repeats 2 --cases limit dali-device torch-device --out "$out/pipeline.jsonl" \
+      > "$out/pipeline-device.log" 2>&1
+    status=$?
+    note "$([ $status = 0 ] && echo PASS || echo FAIL)" pipeline_device "$(grep -E '^\| 64' "$out/pipeline-device.log" | tr -s ' ' | tr '\n' ' ')"
+  fi
+  if [ "$(left $speed_end)" -gt 60 ]; then
+    timeout --kill-after 20 "$(left $speed_end)" "$py" ds_train.py --config bs64_opt "${boxes[@]}" \
+      "${headline[@]}" --Nsamples 640 --Nsamples_val 64 --num_epochs 1 --profile --run_dir "$out/learn-profile" \
+      --overwrite "${optimizer[@]}" > "$out/profile.log" 2>&1
+    table="$out/learn-profile/profile/summary_rank0.txt"
+    if [ -f "$table" ]; then note INFO profile "$(head -1 "$table") ($table)"; else note FAIL profile "no table (profile.log)"; fi
+    rm -rf "$out/learn-profile/checkpoints"
+  fi
+  if [ "$(left $speed_end)" -gt 60 ]; then
+    sweep speed
+    status=$?
+    case $status in
+      0) note PASS speed_levers "$(cat "$out/train.jsonl" | wc -l) record(s) in train.jsonl" ;;
+      124 | 137) note INFO speed_levers "stopped at SPEED_S: the finished cases are in train.jsonl" ;;
+      *) note FAIL speed_levers "status $status (speed.log)" ;;
+    esac
+  fi
   pack
 fi
 

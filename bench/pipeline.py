@@ -171,6 +171,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 settings = LoaderSettings(backend, storage, "float16", args.threads, lookahead=2)
                 v = npy_volumes if case.endswith("-npy") else volumes
                 cases[f"{backend}-{case}"] = lambda s=settings, v=v, p=plan: build_loader(v, p, AUG, s, device, dtype)
+        if args.cases:
+            unknown = sorted(set(args.cases) - set(cases))
+            if unknown:
+                raise SystemExit(
+                    f"python -m bench.pipeline: error: no case {', '.join(unknown)} here ({', '.join(cases)})"
+                )
+            cases = {case: make for case, make in cases.items() if case in args.cases}
         # Repeats go round all cases, so that drift on a shared machine spreads over every case alike.
         results: dict[str, list[dict[str, float]]] = {case: [] for case in cases}
         for repeat in range(args.repeats):
@@ -273,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=20, help="batches timed per case and repeat")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case; the median is reported")
     parser.add_argument("--no_dali", action="store_true", help="torch backend only (machines without DALI)")
+    parser.add_argument("--cases", nargs="+", help="only these cases (limit, baseline, dali-device, torch-host...)")
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     parser.add_argument(
         "--report", action="store_true", help=f"only regenerate the table in {DOC.relative_to(REPO)} from --out"

@@ -47,7 +47,7 @@ def engine_overhead(rows: list[dict[str, Any]]) -> list[tuple[str, float]]:
     """Per precision, the DeepSpeed engine's step time over the plain loop's, on the same batch (p50s)."""
     ratios = []
     for r in rows:
-        if r["mode"] == "synthetic" and r["sweep"] in ("baseline", "precision"):
+        if r["mode"] == "synthetic" and r["sweep"] in ("baseline", "precision", "headline"):
             plain = next(
                 (p for p in rows if p["mode"] == "plain" and p["case"] == r["case"] and p["sweep"] == r["sweep"]), None
             )
@@ -133,7 +133,9 @@ def plots(device: str, rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     phased = [
-        r for r in rows if r.get("forward_ms_p50") is not None and r["sweep"] in ("baseline", "precision", "speed")
+        r
+        for r in rows
+        if r.get("forward_ms_p50") is not None and r["sweep"] in ("baseline", "precision", "headline", "speed")
     ]
     labels = [f"{r['case']}\n{r['mode']}" for r in phased]
     bottom = [0.0] * len(phased)

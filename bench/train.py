@@ -127,7 +127,7 @@ class Case:
         )
         generator = torch.Generator(device=engine.device).manual_seed(cfg.seed + dist.rank)
         shape = (self.micro, cfg.data_size, cfg.data_size, cfg.data_size)
-        layout = torch.channels_last_3d if cfg.channels_last else torch.contiguous_format  # as the pipeline lays it out
+        layout = torch.channels_last_3d if data.settings.channels_last else torch.contiguous_format  # as the pipeline
         self.batch = (
             torch.randn(shape[:1] + (cfg.N_in_channels,) + shape[1:], generator=generator, device=engine.device)
             .to(built.dtype)
@@ -338,7 +338,7 @@ def measure(argv: list[str] | None) -> None:
                 "backend": data.settings.backend,
                 "threads_per_rank": torch.get_num_threads(),
                 "fast_paths": {
-                    "channels_last": cfg.channels_last,
+                    "channels_last": data.settings.channels_last,
                     "cudnn_benchmark": torch.backends.cudnn.benchmark,
                     "compile": cfg.compile,
                     "compile_mode": cfg.compile_mode,

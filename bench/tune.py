@@ -50,6 +50,7 @@ from pipeline.loaders import dali_installed, resolve_backend
 from trainer.config import (
     Config,
     build_config,
+    channels_last_on,
     config_parser,
     load_named,
     parse_config_options,
@@ -214,8 +215,14 @@ class Tuner:
             if not gpu:
                 return "channels-last, cuDNN autotuning and torch.compile are GPU fast paths"
             found = [Candidate(stage, "as chosen so far", {})]
-            for key in ("channels_last", "cudnn_benchmark", "compile"):
-                found.append(Candidate(stage, f"{key} {not getattr(cfg, key)}", {key: not getattr(cfg, key)}))
+            # what each switch is on a GPU now (null: channels_last and cudnn_benchmark on), then its opposite
+            now = {
+                "channels_last": channels_last_on(cfg, "cuda"),
+                "cudnn_benchmark": cfg.cudnn_benchmark is not False,
+                "compile": cfg.compile,
+            }
+            for key, value in now.items():
+                found.append(Candidate(stage, f"{key} {not value}", {key: not value}))
             return found
         if stage == "zero":
             if not gpu or ranks == 1:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from bench.env import REPO
@@ -164,3 +165,13 @@ def test_records_are_written_as_cases_finish_so_a_run_stopped_early_keeps_them(t
     assert last[(8, "torch-host")] == 2 and last[(16, "limit")] == 1
     text = table(_latest_run(records))  # a run cut short still makes a table, without the ratios it lacks
     assert "| 8^3 | torch-host |" in text and "| 16^3 | limit |" in text
+
+
+def test_cases_can_be_chosen_and_an_unknown_one_is_one_line(tiny_data, tmp_path, capsys):
+    out = tmp_path / "pipeline.jsonl"
+    common = ["--data", str(tiny_data["train"]), "--crops", "8", *QUICK, "--repeats", "1", "--no_dali"]
+    pipeline_main([*common, "--out", str(out), "--cases", "limit", "torch-host"])
+    assert [json.loads(line)["case"] for line in out.read_text().splitlines()] == ["limit", "torch-host"]
+    with pytest.raises(SystemExit) as stop:
+        pipeline_main([*common, "--out", str(out), "--cases", "dali-device"])
+    assert str(stop.value).startswith("python -m bench.pipeline: error: no case dali-device here (limit, baseline,")

@@ -309,16 +309,19 @@ def test_every_case_of_a_preset_is_a_valid_run(preset, tmp_path, monkeypatch):
 
 
 def test_a_time_limited_gpu_speed_sweep_measures_the_plain_paths_first_on_data_written_before_it(tmp_path, monkeypatch):
-    """Compiling the 117M-parameter U-Net takes minutes: the plain path of both precisions comes before it, and no
+    """The headline case first (its own sweep, which the GPU session runs before the rest), against the plain loop;
+    compiling the 117M-parameter U-Net takes minutes: the plain path of both precisions comes before it, and no
     case pays for writing the 256^3 box."""
     monkeypatch.chdir(REPO)
     base, cases = PRESETS["gpu-speed"](1)
-    assert [c.label for c in cases[:4]] == [
-        "fp16 plain path",
-        "bf16 plain path",
-        "fp16 all fast paths",
-        "bf16 all fast paths",
+    assert [(c.sweep, c.label) for c in cases[:5]] == [
+        ("headline", "fp16 channels_last + cudnn.benchmark"),
+        ("speed", "fp16 plain path"),
+        ("speed", "bf16 plain path"),
+        ("speed", "fp16 all fast paths"),
+        ("speed", "bf16 all fast paths"),
     ]
+    assert cases[0].modes == ["synthetic", "full", "plain"]
     cfg = Config(
         synthetic=SyntheticSpec(16, 16, 0), train_path=str(tmp_path / "train.h5"), val_path=str(tmp_path / "val.h5")
     )

@@ -185,6 +185,18 @@ def test_profile_records_a_trace_of_the_step_phases(tmp_path):
     names = {e.get("name") for e in events}
     assert {"data_wait", "forward", "backward", "optimizer_step"} <= names
     assert sum(e.get("name") == "forward" for e in events) == 3  # the three recorded micro-steps
+    # Where the time went: the ten most expensive operators, and each U-Net block's share forward and backward.
+    table = (tmp_path / "run" / "profile" / "summary_rank0.txt").read_text().splitlines()
+    assert table[0].startswith("CPU operators: ") and table[2] == "the 10 most expensive:"
+    assert len([line for line in table[3:13] if " ms " in line and "aten::" in line]) == 10
+    rows = table[table.index("per block:         forward            backward") + 1 : -1]
+    assert table[-1].startswith("outside the blocks (loss, optimizer, data, other): ")
+    blocks = {line.split()[0]: line.split() for line in rows}
+    assert {"down.0", "down.3", "up.0", "up.2", "last"} <= set(blocks)  # the tiny config's U-Net of depth 4
+    forward_ms, backward_ms = ({name: float(row[i]) for name, row in blocks.items()} for i in (1, 4))
+    assert all(forward_ms[name] > 0 and backward_ms[name] > 0 for name in ("down.0", "up.2", "last"))
+    assert backward_ms["down.0"] > forward_ms["down.0"] / 2  # a backward computes two gradients of a convolution
+    assert sum(f"forward {name}" in names for name in ("down.0", "up.2", "last")) == 3  # ranges in the trace too
 
 
 def test_profile_says_when_the_run_is_too_short_for_a_trace(tmp_path):

@@ -56,3 +56,11 @@ def test_a_micro_batch_that_does_not_fit_is_one_line_saying_what_to_lower():
     assert bare.startswith("a micro-batch of 8 crops of 32^3 does not fit in the memory of cuda:1 at epoch 1, batch 1")
     assert "): lower" not in bare and ": lower micro_batch_size" in bare
     assert "\n" not in line + bare
+
+
+def test_channels_last_is_on_by_default_with_a_gpu_only():
+    from trainer.config import channels_last_on
+
+    assert channels_last_on(Config(), "cuda") is True and channels_last_on(Config(), "cpu") is False
+    assert channels_last_on(Config(channels_last=False), "cuda") is False
+    assert channels_last_on(Config(channels_last=True), "cpu") is True

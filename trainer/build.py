@@ -31,7 +31,7 @@ from pipeline.loaders import (
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import ensure_boxes
 from pipeline.volumes import VolumeFiles, VolumePair
-from trainer.config import Config
+from trainer.config import Config, channels_last_on
 from trainer.dist import Device, DistEnv
 from trainer.engine import (
     TORCH_FUSED_ADAM,
@@ -181,7 +181,7 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> Data:
         cfg.device_storage_dtype,
         cfg.num_data_workers,
         cfg.data_prefetch,
-        cfg.channels_last,
+        channels_last_on(cfg, device.type),
     )
     micro = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size).micro_batch
     channels = cfg.N_in_channels + cfg.N_out_channels

@@ -39,6 +39,7 @@ from trainer.engine import (
 from trainer.errors import ConfigError, DistError
 from trainer.numerics import LearningWatch
 from trainer.preemption import StopRequest
+from trainer.profiling import block_ranges, write_summary
 from trainer.provenance import software
 from trainer.rundir import PROFILE, RunDir
 from trainer.runlog import RunLog
@@ -165,11 +166,20 @@ class Trainer:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        handler = torch.profiler.tensorboard_trace_handler(
+        trace = torch.profiler.tensorboard_trace_handler(
             str(self.run_dir / PROFILE), worker_name=f"rank{self.dist.rank}"
         )
+        table = self.run_dir / PROFILE / f"summary_rank{self.dist.rank}.txt"
+
+        def ready(prof: torch.profiler.profile) -> None:
+            trace(prof)
+            write_summary(prof, table, self.device.type == "cuda")
+            log.info("profile of micro-steps 3 to %d: %s", 2 + PROFILE_STEPS, table)
+
         schedule = torch.profiler.schedule(wait=1, warmup=1, active=PROFILE_STEPS, repeat=1)
-        self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=handler)
+        self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=ready)
+        self.block_ranges = block_ranges(self.engine.module)
+        self.block_ranges.__enter__()
         self.profiler.start()
         log.info("profiling micro-steps 3 to %d into %s", 2 + PROFILE_STEPS, self.run_dir / PROFILE)
 
@@ -178,6 +188,7 @@ class Trainer:
             return
         self.profiler.stop()
         self.profiler = None
+        self.block_ranges.__exit__(None, None, None)
         if not any((self.run_dir / PROFILE).glob(f"rank{self.dist.rank}*")):
             log.warning("--profile: the run ended before the recorded micro-steps began: no trace was written")
 

@@ -1,0 +1,111 @@
+"""Where the time of profiled steps goes: ranges named after the U-Net's blocks, forward and backward, and a table of
+the most expensive kernels and of each block's share, written beside ``--profile``'s trace.
+
+The blocks' ranges come from module hooks that exist only while profiling. Their time is the device's where there
+is one (the kernels launched inside each range), else the CPU's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model import UNet
+
+TOP_KERNELS = 10
+
+
+def blocks(model: UNet) -> list[tuple[str, torch.nn.Module]]:
+    """The blocks a step passes, by name: down.0 ... the bottom, up.0 ..., and the last layer (where it is called
+    as a module, not padded: ``UNet.pad_last_layer``)."""
+    named = [(f"down.{i}", m) for i, m in enumerate(model.down)] + [(f"up.{i}", m) for i, m in enumerate(model.up)]
+    if model.last_padded_to == model.last.out_channels:
+        named.append(("last", model.last))
+    return named
+
+
+@contextmanager
+def block_ranges(model: UNet) -> Iterator[None]:
+    """A ``torch.profiler`` range around each block's forward ("forward down.0") and backward ("backward down.0")."""
+    open_ranges: dict[str, Any] = {}
+
+    def enter(name: str, *_: Any) -> None:
+        open_ranges[name] = torch.profiler.record_function(name)
+        open_ranges[name].__enter__()
+
+    def leave(name: str, *_: Any) -> None:
+        if name in open_ranges:
+            open_ranges.pop(name).__exit__(None, None, None)
+
+    # A block's backward ends when the last of its parameters has its gradient (a module's own backward hook fires
+    # at once where its inputs need none, as the first block's do).
+    waiting: dict[str, int] = {}
+
+    def backward_begins(name: str, count: int, *_: Any) -> None:
+        waiting[name] = count
+        enter(name)
+
+    def gradient_done(name: str, *_: Any) -> None:
+        waiting[name] -= 1
+        if waiting[name] == 0:
+            leave(name)
+
+    handles = []
+    for name, block in blocks(model):
+        params = [p for p in block.parameters() if p.requires_grad]
+        handles += [
+            block.register_forward_pre_hook(functools.partial(enter, f"forward {name}")),
+            block.register_forward_hook(functools.partial(leave, f"forward {name}")),
+            block.register_full_backward_pre_hook(functools.partial(backward_begins, f"backward {name}", len(params))),
+        ]
+        handles += [
+            p.register_post_accumulate_grad_hook(functools.partial(gradient_done, f"backward {name}")) for p in params
+        ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name in list(open_ranges):
+            leave(name)
+
+
+def summary(prof: torch.profiler.profile, on_gpu: bool) -> str:
+    """The profiled steps' most expensive kernels (CPU ops without a GPU) by their own time, and each block's time
+    forward and backward, as shares of the steps' total."""
+    events = prof.key_averages()
+    own = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    spanned = "device_time_total" if on_gpu else "cpu_time_total"
+    if on_gpu:
+        kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    else:
+        kernels = [e for e in events if e.key.startswith("aten::")]
+    total_us = sum(getattr(e, own) for e in kernels) or 1.0
+    where = "GPU kernels" if on_gpu else "CPU operators"
+    lines = [f"{where}: {total_us / 1e3:.1f} ms over the profiled steps", "", f"the {TOP_KERNELS} most expensive:"]
+    for e in sorted(kernels, key=lambda e: -getattr(e, own))[:TOP_KERNELS]:
+        time_us = getattr(e, own)
+        lines.append(f"{time_us / 1e3:9.2f} ms {time_us / total_us:6.1%}  {e.count:5d} x  {e.key[:110]}")
+    ranges = {e.key: getattr(e, spanned) for e in events if e.key.startswith(("forward ", "backward "))}
+    names = sorted({key.split(" ", 1)[1] for key in ranges}, key=_block_order)
+    lines += ["", "per block:         forward            backward"]
+    for name in names:
+        fwd, bwd = ranges.get(f"forward {name}", 0.0), ranges.get(f"backward {name}", 0.0)
+        lines.append(f"{name:8s} {fwd / 1e3:9.2f} ms {fwd / total_us:6.1%} {bwd / 1e3:9.2f} ms {bwd / total_us:6.1%}")
+    inside = sum(ranges.values())
+    lines.append(f"outside the blocks (loss, optimizer, data, other): {max(0.0, 1 - inside / total_us):.1%}")
+    return "\n".join(lines) + "\n"
+
+
+def _block_order(name: str) -> tuple[int, int]:
+    part, _, index = name.partition(".")
+    return ({"down": 0, "up": 1}.get(part, 2), int(index or 0))
+
+
+def write_summary(prof: torch.profiler.profile, path: Path, on_gpu: bool) -> None:
+    path.write_text(summary(prof, on_gpu))
