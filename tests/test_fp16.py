@@ -32,7 +32,8 @@ reference = UNet(4, 5, width=4, depth=2)
 Loss()(reference(x), y).backward()
 for case in json.loads(sys.argv[1]):
     name, accumulation = case["json"], case["accumulation"]
-    config = gpu_ds_config(load_ds_template(f"ds_configs/{name}"), BatchPlan(2, accumulation, 1), 1e-3)
+    adam = {"optimizer": {"params": {"torch_adam": case["torch_adam"]}}}
+    config = gpu_ds_config(load_ds_template(f"ds_configs/{name}", adam), BatchPlan(2, accumulation, 1), 1e-3)
     torch.manual_seed(0)
     net = UNet(4, 5, width=4, depth=2)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
@@ -50,18 +51,33 @@ for case in json.loads(sys.argv[1]):
     ratios = [float(grads[n].norm() / p.grad.norm()) for n, p in reference.named_parameters()]
     cosines = [float(torch.nn.functional.cosine_similarity(grads[n].flatten(), p.grad.flatten(), dim=0))
                for n, p in reference.named_parameters()]
-    record = {"case": case, "scale": scale, "ratios": ratios, "cosines": cosines, "steps": engine.global_steps}
+    record = {"case": case, "scale": scale, "ratios": ratios, "cosines": cosines, "steps": engine.global_steps,
+              "optimizer": type(engine.optimizer).__name__}
     print(json.dumps(record))
 """
 
+
+def _case(json_name: str, accumulation: int = 1, deepspeed_scales: bool = False, torch_adam: bool = True) -> dict:
+    return {
+        "json": json_name,
+        "accumulation": accumulation,
+        "deepspeed_scales": deepspeed_scales,
+        "torch_adam": torch_adam,
+    }
+
+
+# With torch's Adam, DeepSpeed wraps it in its unfused fp16 optimizer; with its own FusedAdam (a JIT build of its CPU
+# op here, once), in its flat fp16 optimizer, as on a GPU by default.
 CASES = {
-    "fp16 ZeRO 0": {"json": "ds_fp16.json", "accumulation": 1, "deepspeed_scales": False},
-    "fp16 ZeRO 0, accumulation 2": {"json": "ds_fp16.json", "accumulation": 2, "deepspeed_scales": False},
-    "fp16 ZeRO 0, a DeepSpeed that scales": {"json": "ds_fp16.json", "accumulation": 2, "deepspeed_scales": True},
-    "fp16 ZeRO 1": {"json": "ds_fp16_zero1.json", "accumulation": 2, "deepspeed_scales": False},
-    "bf16": {"json": "ds_bf16.json", "accumulation": 1, "deepspeed_scales": False},
-    "fp32": {"json": "ds_fp32.json", "accumulation": 1, "deepspeed_scales": False},
+    "fp16 ZeRO 0": _case("ds_fp16.json"),
+    "fp16 ZeRO 0, accumulation 2": _case("ds_fp16.json", 2),
+    "fp16 ZeRO 0, DeepSpeed's FusedAdam": _case("ds_fp16.json", 2, torch_adam=False),
+    "fp16 ZeRO 0, a DeepSpeed that scales": _case("ds_fp16.json", 2, deepspeed_scales=True),
+    "fp16 ZeRO 1": _case("ds_fp16_zero1.json", 2),
+    "bf16": _case("ds_bf16.json"),
+    "fp32": _case("ds_fp32.json"),
 }
+OPTIMIZERS = {"fp16 ZeRO 0": "FP16_UnfusedOptimizer", "fp16 ZeRO 0, DeepSpeed's FusedAdam": "FP16_Optimizer"}
 
 
 def run_script(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -89,6 +105,7 @@ def test_gradients_are_the_fp32_ones_times_the_loss_scale_once(gradients, name):
     assert record["ratios"] == pytest.approx([expected] * len(record["ratios"]), rel=tolerance), record["ratios"]
     assert min(record["cosines"]) > 1 - tolerance
     assert record["steps"] == 1
+    assert record["optimizer"] == OPTIMIZERS.get(name, record["optimizer"])
 
 
 def test_an_fp16_run_with_two_to_the_25_outputs_per_micro_batch_learns(tmp_path):

@@ -248,6 +248,8 @@ def fused_adam_problem() -> str | None:
         if not found:
             return "ninja is not on PATH (pip install ninja)"
         os.environ["PATH"] = found[0] + os.pathsep + os.environ.get("PATH", "")  # where torch's JIT build looks
+    if not hasattr(builder, "compute_capability_args"):
+        return None  # the accelerator's own op (a CPU's), built with the host compiler
     if torch.version.cuda is None:
         return f"torch {torch.__version__} was built without CUDA"
     try:
