@@ -334,7 +334,7 @@ def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, de
             DeepSpeedConfig({**ds_config, "train_batch_size": plan.micro_batch * plan.accumulation})
         except (ValueError, TypeError, AssertionError) as err:
             sys.exit(f"case {case.label!r}: DeepSpeed rejects its config: {' '.join(str(err).split())}")
-        if resolve_backend(cfg.backend, device_type) == "dali" and not dali_installed():
+        if resolve_backend(cfg.backend, device_type, cfg.storage) == "dali" and not dali_installed():
             sys.exit(f"case {case.label!r}: backend dali, but NVIDIA DALI is not installed here: add --backend torch")
         checked.append((options, cfg, ds_config))
     return checked

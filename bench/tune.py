@@ -234,7 +234,9 @@ class Tuner:
         if stage == "storage":
             return options("storage", ["lazy", "host", "device"], cfg.storage, "storage {}")
         if stage == "backend":
-            found = options("backend", ["torch", "dali"], resolve_backend(cfg.backend, self.device_type), "backend {}")
+            found = options(
+                "backend", ["torch", "dali"], resolve_backend(cfg.backend, self.device_type, cfg.storage), "backend {}"
+            )
             if not dali_installed():
                 found[1].status, found[1].reason = "not available here", "NVIDIA DALI is not installed"
             return found

@@ -60,12 +60,14 @@ def effective_storage(storage: Storage, device_type: str) -> Storage:
     return storage
 
 
-def resolve_backend(backend: Backend | Auto, device_type: str) -> Backend:
-    """``auto`` is DALI on a GPU, where it cuts and rotates on the device, and torch on a CPU, where the batcher's
-    single fused copy measured about 4x faster than DALI's CPU operators at 64^3 (docs/benchmarks.md)."""
+def resolve_backend(backend: Backend | Auto, device_type: str, storage: Storage) -> Backend:
+    """``auto`` is torch on a CPU, where the batcher's single fused copy measured about 4x faster than DALI's CPU
+    operators at 64^3, and for volumes resident on a GPU, where both backends cut with the same ``DeviceCutter``
+    and DALI adds two copies (and measured slower in training on an H200: docs/data.md); DALI for the GPU's other
+    storage modes, where it reads and cuts on its own threads."""
     if backend != "auto":
         return backend
-    return "dali" if device_type == "cuda" else "torch"
+    return "dali" if device_type == "cuda" and storage != "device" else "torch"
 
 
 def uses_batcher(backend: Backend, storage: Storage, data_format: str) -> bool:

@@ -131,8 +131,13 @@ def test_device_storage_falls_back_to_host_without_a_gpu(caplog):
 
 
 def test_the_automatic_backend_is_dali_on_a_gpu_and_torch_on_a_cpu():
-    assert (resolve_backend("auto", "cuda"), resolve_backend("auto", "cpu")) == ("dali", "torch")
-    assert (resolve_backend("dali", "cpu"), resolve_backend("torch", "cuda")) == ("dali", "torch")  # as set
+    assert [resolve_backend("auto", "cuda", storage) for storage in ("lazy", "host", "device")] == [
+        "dali",
+        "dali",
+        "torch",  # volumes resident on the GPU: the same cutter, without DALI's copies
+    ]
+    assert resolve_backend("auto", "cpu", "host") == "torch"
+    assert (resolve_backend("dali", "cpu", "host"), resolve_backend("torch", "cuda", "lazy")) == ("dali", "torch")
 
 
 def test_batcher_works_ahead_across_epochs_and_reports_errors(volumes):

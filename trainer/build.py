@@ -155,9 +155,9 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> Data:
     """The storage mode and backend for this device (said once, with the keys they leave unused), the volumes
     opened and checked (shapes, channels, NaN or Inf), and the host or GPU memory they need checked."""
     storage = effective_storage(cfg.storage, device.type)
-    backend = resolve_backend(cfg.backend, device.type)
+    backend = resolve_backend(cfg.backend, device.type, storage)
     if cfg.backend == "auto":
-        log.info("backend: %s (auto, on a %s)", backend, "GPU" if device.type == "cuda" else "CPU")
+        log.info("backend: %s (auto, on a %s, storage %s)", backend, "GPU" if device.type == "cuda" else "CPU", storage)
     if backend == "dali" and not dali_installed():
         raise ConfigError(
             "backend: dali needs NVIDIA DALI, not installed here (requirements.txt); or set backend: torch"
