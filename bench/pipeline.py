@@ -139,13 +139,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     backends = ["torch"] if args.no_dali else ["dali", "torch"]
     storages = ["lazy", "lazy-npy", "host"] + (["device"] if device.type == "cuda" else [])
     npy = path.with_suffix("")  # the same box as .npy files, for DALI's numpy reader and lazy memory maps
-    if not Path(f"{npy}_data.npy").exists():
+    if not Path(f"{npy}_data.npy").exists() and (not args.cases or any(c.endswith("-npy") for c in args.cases)):
         convert(path, npy, "CDHW")
     env = environment()
     records = []
     for crop in args.crops:
         volumes = VolumePair.open(VolumeFiles.hdf5(path), 4, 5, crop)
-        npy_volumes = VolumePair.open(VolumeFiles.npy(f"{npy}_data.npy", f"{npy}_label.npy", "CDHW"), 4, 5, crop)
+        npy_files = VolumeFiles.npy(f"{npy}_data.npy", f"{npy}_label.npy", "CDHW")
+        npy_volumes = VolumePair.open(npy_files, 4, 5, crop) if Path(npy_files.inputs).exists() else None
         total = args.batch * (args.warmup + args.batches)
         plan = DrawPlan(
             seed=0, num_samples=total, batch_size=args.batch, box_size=volumes.box_size, crop_size=crop, rotate=True
@@ -167,6 +168,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         }
         for backend in backends:
             for case in storages:
+                if case.endswith("-npy") and npy_volumes is None:
+                    continue  # not asked for
                 storage = case.removesuffix("-npy")
                 settings = LoaderSettings(backend, storage, "float16", args.threads, lookahead=2)
                 v = npy_volumes if case.endswith("-npy") else volumes

@@ -366,6 +366,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scaling_repeats", type=int, default=3, help="runs of each scaling case; the median counts")
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     parser.add_argument("--no_report", action="store_true")
+    parser.add_argument(
+        "--run_id", help="the records' run id (default: the start time); runs that share one are reported together"
+    )
     args, rest = parser.parse_known_args(argv)
     args.train_options = rest  # options of bench.train for every case (--backend torch, say)
     base, cases = PRESETS[args.preset](args.max_ranks)
@@ -381,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     cases = [c for c in cases if not args.only or c.sweep in args.only]
     checked = check_cases(base, cases, args, "cuda" if torch.cuda.is_available() else "cpu")
     write_synthetic_data([cfg for _, cfg, _ in checked])
-    run_id = time.strftime("%Y%m%dT%H%M%S")
+    run_id = args.run_id or time.strftime("%Y%m%dT%H%M%S")
     failures = []
     for case in cases:
         cmd = [*command(case, args.launcher, args.ranks_per_node), *train_options(base, case, args, run_id)]

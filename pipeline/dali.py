@@ -12,7 +12,7 @@ the crops come from is the storage mode's business (the ``*Crops`` sources below
   uploaded and rotated there.
 - ``ResidentCrops`` (storage ``device``): volumes resident in GPU memory, held by a function that DALI
   calls on its own CUDA stream (``fn.dl_tensor_python_function``), which makes the whole training batch
-  with the torch backend's ``DeviceCutter``: cut, rotated, laid out and cast in two passes, one
+  with the torch backend's ``DeviceCutter``: cut, rotated, laid out and cast in three passes, one
   implementation for both backends. The volume never enters the graph as data: a GPU external source would
   copy a batch that lists it once per sample into one buffer (DALI's documentation of ``no_copy``). The
   same function cuts volumes in host memory when the graph runs on the CPU.
@@ -111,7 +111,7 @@ class HostCrops:
 class ResidentCrops:
     """The training batch itself, made from volumes held by this object by the torch backend's ``DeviceCutter``
     in a function that DALI calls with each batch's draws: crops cut, rotated, laid out (channels-last) and cast
-    in two passes over the batch, and a third where DALI copies them into its output. On a GPU the volumes are
+    in three passes over the batch, and a fourth where DALI copies them into its output. On a GPU the volumes are
     resident in its memory and the function runs on DALI's CUDA stream; on the CPU they are host tensors."""
 
     padded, rotated, finished, cut_at_corners = False, True, True, False
@@ -129,6 +129,8 @@ class ResidentCrops:
         self.volumes = (nbody, hydro)
         self.on_gpu = nbody.device.type == "cuda"
         self.cutter = DeviceCutter(augmenter, crop_size, nbody.device)
+        if self.on_gpu:  # the cutter's tables, made on this stream, are read on DALI's
+            torch.cuda.synchronize(nbody.device)
         self.dtypes = (torch.float32 if dtype == torch.bfloat16 else dtype, torch.float32)  # DALI has no bfloat16
         self.channels_last = channels_last
         self.threads = 1  # nothing is cut on the CPU's threads

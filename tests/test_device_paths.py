@@ -223,3 +223,55 @@ def test_dali_cuts_crops_without_copying_the_volume(device_type, storage):
         )
         assert times[160] < copy_s / 2, "a batch takes as long as copying the volume"
     assert times[160] < 3 * times[16] + 0.005, "batches take longer from a larger box"
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["NCDHW", "NDHWC"])
+@pytest.mark.parametrize("source", ["volumes", "crops"])
+def test_the_cutter_gives_the_reference_from_volumes_and_from_crops(volumes, channels_last, source):
+    """Every sample of the 24 rotations, in both layouts, from resident volumes and from a batch of unrotated
+    crops (the torch backend's GPU path for crops the CPU cut)."""
+    from pipeline.torch_backend import DeviceCutter
+
+    plan = EveryRotation(seed=0, num_samples=24, batch_size=24, box_size=32, crop_size=CROP, rotate=True)
+    draws = plan.batch_draws(0, 0)
+    cutter = DeviceCutter(AUG, CROP, torch.device("cpu"))
+    if source == "volumes":
+        sources = to_device(volumes, torch.device("cpu"), "float32")
+    else:  # each sample's crop as it lies, then rotated by the cutter
+        crops = [
+            [v[(slice(None), *(slice(c, c + CROP) for c in d.corner))] for d in draws]
+            for v in (volumes.nbody, volumes.hydro)
+        ]
+        sources = tuple(torch.from_numpy(np.stack(c)) for c in crops)
+    args = cutter.arguments(draws, cut_already=source == "crops")
+    inp, tar = cutter(sources, args, (torch.float16, torch.float32), channels_last)
+    assert inp.dtype == torch.float16 and inp.is_contiguous(memory_format=torch.channels_last_3d) == channels_last
+    for j, draw in enumerate(draws):
+        ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
+        assert torch.equal(inp[j], torch.from_numpy(ref_inp).half()) and torch.equal(tar[j], torch.from_numpy(ref_tar))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_resident_batches_cut_ahead_wait_for_nothing_they_should_not(volumes):
+    """Batches of resident volumes are cut on a stream of their own while the training stream is busy (a sleep
+    queued on it first): each still holds its own samples."""
+    from pipeline.torch_backend import TorchLoader
+
+    device = torch.device("cuda", 0)
+    loader = TorchLoader(
+        plan=PLAN,
+        augmenter=AUG,
+        device=device,
+        dtype=torch.float32,
+        rotate_on_device=True,
+        resident=to_device(volumes, device, "float32"),
+    )
+    torch.cuda.synchronize()
+    kept = []
+    for inp, tar in loader:
+        torch.cuda._sleep(50_000_000)  # the training stream stays busy while the next batch is cut
+        kept.append((inp * 1, tar * 1))  # read on the training stream, after the sleep
+    for b, (inp, tar) in enumerate(kept):
+        for j, draw in enumerate(PLAN.batch_draws(0, b)):
+            ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
+            assert np.array_equal(inp[j].cpu().numpy(), ref_inp) and np.array_equal(tar[j].cpu().numpy(), ref_tar)

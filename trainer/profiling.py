@@ -81,8 +81,9 @@ def summary(prof: torch.profiler.profile, on_gpu: bool) -> str:
     events = prof.key_averages()
     own = "self_device_time_total" if on_gpu else "self_cpu_time_total"
     spanned = "device_time_total" if on_gpu else "cpu_time_total"
-    if on_gpu:
-        kernels = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    if on_gpu:  # kernels, not the GPU-side copies of the ranges (user annotations), which span whole phases
+        kernels = [e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
     else:
         kernels = [e for e in events if e.key.startswith("aten::")]
     total_us = sum(getattr(e, own) for e in kernels) or 1.0
@@ -91,7 +92,12 @@ def summary(prof: torch.profiler.profile, on_gpu: bool) -> str:
     for e in sorted(kernels, key=lambda e: -getattr(e, own))[:TOP_KERNELS]:
         time_us = getattr(e, own)
         lines.append(f"{time_us / 1e3:9.2f} ms {time_us / total_us:6.1%}  {e.count:5d} x  {e.key[:110]}")
-    ranges = {e.key: getattr(e, spanned) for e in events if e.key.startswith(("forward ", "backward "))}
+    # each range once: its CPU-side event, whose device time is that of the kernels launched inside it
+    ranges = {
+        e.key: getattr(e, spanned)
+        for e in events
+        if e.device_type == cpu and e.key.startswith(("forward ", "backward "))
+    }
     names = sorted({key.split(" ", 1)[1] for key in ranges}, key=_block_order)
     lines += ["", "per block:         forward            backward"]
     for name in names:

@@ -6,6 +6,7 @@ plain function for the same reason.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
@@ -146,6 +147,7 @@ class Trainer:
         self.runlog = RunLog(run_dir, enabled=dist.is_main)
         self.first_batch_digest: str | None = None
         self.profiler: torch.profiler.profile | None = None
+        self.block_ranges: contextlib.AbstractContextManager | None = None
 
     def wait_for_every_rank(self) -> None:
         """Return once every rank has built its trainer (passed its checks); one that failed says why itself."""
@@ -172,14 +174,18 @@ class Trainer:
         table = self.run_dir / PROFILE / f"summary_rank{self.dist.rank}.txt"
 
         def ready(prof: torch.profiler.profile) -> None:
+            self._stop_block_ranges()  # the steps after the recorded ones run without the hooks
             trace(prof)
             write_summary(prof, table, self.device.type == "cuda")
             log.info("profile of micro-steps 3 to %d: %s", 2 + PROFILE_STEPS, table)
 
         schedule = torch.profiler.schedule(wait=1, warmup=1, active=PROFILE_STEPS, repeat=1)
         self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=ready)
-        self.block_ranges = block_ranges(self.engine.module)
-        self.block_ranges.__enter__()
+        if self.cfg.compile:  # module hooks added after compiling would break or escape its graphs
+            log.warning("--profile with compile: true: no per-block ranges, the kernels only")
+        else:
+            self.block_ranges = block_ranges(self.engine.module)
+            self.block_ranges.__enter__()
         self.profiler.start()
         log.info("profiling micro-steps 3 to %d into %s", 2 + PROFILE_STEPS, self.run_dir / PROFILE)
 
@@ -188,9 +194,14 @@ class Trainer:
             return
         self.profiler.stop()
         self.profiler = None
-        self.block_ranges.__exit__(None, None, None)
+        self._stop_block_ranges()
         if not any((self.run_dir / PROFILE).glob(f"rank{self.dist.rank}*")):
             log.warning("--profile: the run ended before the recorded micro-steps began: no trace was written")
+
+    def _stop_block_ranges(self) -> None:
+        if self.block_ranges is not None:
+            self.block_ranges.__exit__(None, None, None)
+            self.block_ranges = None
 
     def _where(self) -> str:
         """The micro-step being taken, for messages."""
