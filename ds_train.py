@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     except NumericalError as err:
         log.error("%s", err)
         return DIVERGED_EXIT
+    except OSError as err:  # a run record that cannot be written (a full disk, a file size limit...): one line
+        where = f"{err.filename}: " if err.filename else ""
+        log.error("%s%s; the checkpoints saved so far are intact", where, err.strerror or err)
+        return 2
     finally:
         if run is not None:
             run.release()  # an earlier run set aside by --overwrite goes back where this one did not start

@@ -3,18 +3,27 @@
 
 ``config.json`` holds the resolved config; ``checkpoints/<tag>/`` one DeepSpeed checkpoint per tag (``step`` and
 the global step, so that their order is the order of training), with the module's weights in
-``mp_rank_00_model_states.pt``; ``checkpoints/latest`` names the newest complete one.
+``mp_rank_00_model_states.pt`` and ``manifest.json``, every other file's size and SHA-256, written when the
+checkpoint was complete; ``checkpoints/latest`` names the newest complete one. A checkpoint found damaged is set
+aside as ``<tag>.damaged`` (``.damaged-2``... beside an earlier one): no longer a tag, never reused, never pruned.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from pathlib import Path
+
+from pipeline.files import write_text_atomically
 
 RUN_CONFIG = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
 TAG_PREFIX = "step"
 MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's file of the module's weights (one model-parallel rank)
+MANIFEST = "manifest.json"
+DAMAGED = ".damaged"
 
 
 def tag_for(step: int) -> str:
@@ -31,8 +40,78 @@ def latest_tag(run_dir: Path) -> str | None:
 
 
 def checkpoint_tags(run_dir: Path) -> list[str]:
-    """The complete checkpoints of a run, oldest first."""
+    """The complete checkpoints of a run, oldest first (not those set aside as damaged)."""
     ckpt_dir = run_dir / CHECKPOINT_DIR
     if not ckpt_dir.is_dir():
         return []
-    return sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith(TAG_PREFIX))
+    return sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and re.fullmatch(rf"{TAG_PREFIX}\d+", p.name))
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(checkpoint: Path) -> None:
+    """Record the size and SHA-256 of every file of a complete checkpoint in its manifest (written atomically)."""
+    files = {
+        p.relative_to(checkpoint).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(checkpoint.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    write_text_atomically(checkpoint / MANIFEST, json.dumps({"files": files}, indent=1) + "\n")
+
+
+def is_verifiable(checkpoint: Path) -> bool:
+    """Whether the checkpoint has a manifest (checkpoints written before manifests existed have none)."""
+    return (checkpoint / MANIFEST).is_file()
+
+
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """What is wrong with a checkpoint's files, in a few words naming the first damaged file (missing, truncated,
+    longer than written, checksum mismatch), or None where every file is as its manifest says. A checkpoint
+    without a manifest cannot be checked: None, where ``is_verifiable`` tells the difference."""
+    if not checkpoint.is_dir():
+        return "missing"
+    if not is_verifiable(checkpoint):
+        return None
+    try:
+        files = json.loads((checkpoint / MANIFEST).read_text())["files"]
+        expected = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in files.items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST} unreadable"
+    for name, (size, digest) in expected.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} missing"
+        actual = path.stat().st_size
+        if actual < size:
+            return f"{name} truncated: {actual:,} of {size:,} bytes"
+        if actual > size:
+            return f"{name} longer than written: {actual:,} bytes, not {size:,}"
+        if _sha256(path) != digest:
+            return f"{name} checksum mismatch"
+    return None
+
+
+def set_aside(run_dir: Path, tag: str) -> Path:
+    """Rename a damaged checkpoint to ``<tag>.damaged`` (``.damaged-2``... beside earlier ones); the new path."""
+    ckpt_dir = run_dir / CHECKPOINT_DIR
+    aside, n = ckpt_dir / f"{tag}{DAMAGED}", 1
+    while aside.exists():
+        n += 1
+        aside = ckpt_dir / f"{tag}{DAMAGED}-{n}"
+    (ckpt_dir / tag).rename(aside)
+    return aside
+
+
+def newest_intact(run_dir: Path) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest checkpoint whose files are as their manifest says (or that has none), and the (tag, problem) of
+    each newer one that is not."""
+    damaged = []
+    for tag in reversed(checkpoint_tags(run_dir)):
+        problem = checkpoint_problem(run_dir / CHECKPOINT_DIR / tag)
+        if problem is None:
+            return tag, damaged
+        damaged.append((tag, problem))
+    return None, damaged

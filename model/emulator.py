@@ -9,6 +9,7 @@ plain tensors and types) or a single exported weights file (``python -m model.ex
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,10 +17,21 @@ from typing import Any
 
 import torch
 
-from model.checkpoints import CHECKPOINT_DIR, LATEST, MODEL_STATES, RUN_CONFIG, checkpoint_tags, latest_tag
+from model.checkpoints import (
+    CHECKPOINT_DIR,
+    LATEST,
+    MODEL_STATES,
+    RUN_CONFIG,
+    checkpoint_problem,
+    checkpoint_tags,
+    latest_tag,
+    newest_intact,
+)
 from model.unet import UNet
 from pipeline.cli import ArgumentParser, existing_dir, output_file
 from pipeline.files import written_atomically
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,8 +80,8 @@ def _load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # arbitrary bytes fail in the unpickler or the zip reader in many ways (KeyError...)
-        reason = " ".join(str(err).split()).split(". ")[0][:160]
-        raise EmulatorError(f"{path}: not a readable torch file ({type(err).__name__}: {reason})") from None
+        reason = " ".join(str(err).split()).split(". ")[0][:80]
+        raise EmulatorError(f"{path}: damaged, not a readable torch file ({type(err).__name__}: {reason})") from None
 
 
 def _build(spec: EmulatorSpec, state: dict[str, torch.Tensor], source: str) -> Emulator:
@@ -105,13 +117,21 @@ def from_run_dir(run_dir: Path, tag: str | None = None) -> Emulator:
         why = f"{type(err).__name__}: {err}"
         raise EmulatorError(f"{run_dir / RUN_CONFIG}: not a run's resolved config ({why})") from None
     checkpoints = run_dir / CHECKPOINT_DIR
-    if tag is None:
-        tag = latest_tag(run_dir)
-        if tag is None:
+    if tag is None:  # the newest intact one, said where newer ones are damaged
+        if latest_tag(run_dir) is None and not checkpoint_tags(run_dir):
             raise EmulatorError(f"{run_dir}: no checkpoint yet")
+        tag, damaged = newest_intact(run_dir)
+        for bad, problem in damaged:
+            log.warning("checkpoint %s is damaged (%s): not used", checkpoints / bad, problem)
+        if tag is None:
+            raise EmulatorError(f"{run_dir}: no intact checkpoint ({'; '.join(f'{t}: {p}' for t, p in damaged)})")
+        if damaged:
+            log.warning("using %s, the newest intact checkpoint", tag)
     elif not (checkpoints / tag).is_dir():
         found = checkpoint_tags(run_dir)
         raise EmulatorError(f"{run_dir}: no checkpoint {tag!r} (found: {', '.join(found) or 'none'})")
+    elif problem := checkpoint_problem(checkpoints / tag):
+        raise EmulatorError(f"{checkpoints / tag}: damaged ({problem})")
     saved = _load(checkpoints / tag / MODEL_STATES)
     if not isinstance(saved, dict) or "module" not in saved:
         raise EmulatorError(f"{checkpoints / tag}: not a DeepSpeed model checkpoint (no 'module' weights)")
@@ -128,8 +148,12 @@ def export(emulator: Emulator, out: Path) -> None:
         "state_dict": state,
         "source": emulator.source,
     }
-    with written_atomically(out) as tmp:
-        torch.save(saved, tmp)
+    try:
+        with written_atomically(out) as tmp:
+            torch.save(saved, tmp)
+    except (OSError, RuntimeError) as err:  # torch's writer turns a failed write into a RuntimeError of its own
+        why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())[:80]
+        raise EmulatorError(f"{out}: could not be written ({why}); nothing was replaced") from None
 
 
 def from_weights(path: Path) -> Emulator:

@@ -24,6 +24,10 @@ def written_atomically(path: Path) -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as err:
+        if err.errno is None or not err.strerror:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from None  # said of the file meant, not the hidden one
     finally:
         tmp.unlink(missing_ok=True)
 

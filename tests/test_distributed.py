@@ -12,6 +12,11 @@ import pytest
 from tests.conftest import REPO, run_train, single_process_env, tiny_args
 
 DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300)
 
 
 def _args(tmp_path, run_dir, *extra):
@@ -25,19 +30,12 @@ def _summary(run_dir):
 
 @pytest.mark.parametrize(
     "launcher",
-    [[*DEEPSPEED, "--num_gpus", "2"], [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]],
+    [[*DEEPSPEED, "--num_gpus", "2"], TORCHRUN],
     ids=["deepspeed", "torchrun"],
 )
 def test_two_ranks_through_a_launcher(tmp_path, launcher):
     run = tmp_path / "run"
-    result = subprocess.run(
-        [*launcher, "ds_train.py", *_args(tmp_path, run, "--num_epochs", "2")],
-        cwd=REPO,
-        env=single_process_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _run([*launcher, "ds_train.py", *_args(tmp_path, run, "--num_epochs", "2")])
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _summary(run)
     assert (summary["world_size"], summary["launched_by"]) == (2, "launcher")
@@ -54,8 +52,7 @@ def test_two_ranks_through_a_launcher(tmp_path, launcher):
 
 
 def _launch_two_ranks(args):
-    command = [*DEEPSPEED, "--num_gpus", "2", "ds_train.py", *args]
-    result = subprocess.run(command, cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300)
+    result = _run([*DEEPSPEED, "--num_gpus", "2", "ds_train.py", *args])
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -264,3 +261,25 @@ def test_sbatch_stops_on_the_time_limit_signal_and_requeues_itself(slurm, tmp_pa
     job = _sbatch(slurm, tmp_path, {"LAUNCHER": "srun"}, *_job_args(tmp_path, 4))
     summary = _stop_on_the_time_limit_signal(slurm, tmp_path, job)
     assert summary["finished"] and summary["resumed_from"] is not None and summary["steps"] == 64
+
+
+def test_a_save_failing_on_one_rank_ends_every_rank_at_once(tmp_path):
+    """Two ranks; only rank 0 writes the stage-0 checkpoint, under a file size limit it cannot meet (SIGXFSZ
+    ignored: writes fail). Rank 1, which would wait at DeepSpeed's barrier until the collective timeout, ends with
+    it: one line each, long before dist_timeout_s, the first checkpoint and latest untouched."""
+    run = tmp_path / "run"
+    first = _run([*TORCHRUN, "ds_train.py", *_args(tmp_path, run, "--num_epochs", "2", "--stop_after_epoch", "1")])
+    assert first.returncode == 0, first.stderr[-3000:]
+    largest = max(p.stat().st_size for p in (run / "checkpoints" / "step00000016").iterdir())
+    rank0_limited = (
+        f"trap '' XFSZ; if [ \"$RANK\" = 0 ]; then ulimit -f {largest // 1024 // 2}; fi; "
+        f"exec {sys.executable} ds_train.py --run_dir {run} --resume --dist_timeout_s 600"
+    )
+    start = time.time()
+    result = _run([*TORCHRUN, "--no-python", "bash", "-c", rank0_limited])
+    assert result.returncode != 0 and time.time() - start < 120, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if " ERROR saving checkpoint step00000032" in line]
+    assert len(errors) == 2, result.stderr[-3000:]  # one per rank
+    assert "failed on another rank" in "".join(errors) and "ulimit -f" in "".join(errors)
+    assert (run / "checkpoints" / "latest").read_text() == "step00000016"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step00000016"]

@@ -3,6 +3,9 @@
 import itertools
 import json
 import re
+import shutil
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -16,7 +19,7 @@ from model.metrics import Normalization, _shells, compare, contrast, spectra, sp
 from model.predict import main as predict_main
 from model.tiling import periodic_window, predict_box, tile_starts
 from pipeline.layout import LOG_DENSITY_SCALE
-from tests.conftest import run_train, tiny_args
+from tests.conftest import REPO, run_train, tiny_args
 
 CPU = torch.device("cpu")
 
@@ -348,3 +351,48 @@ def test_predict_reads_npy_inputs(trained, tmp_path):
     with h5py.File(out / "prediction.h5") as a, h5py.File(tmp_path / "h5" / "prediction.h5") as b:
         assert np.array_equal(a["Hydro"][...], b["Hydro"][...])
     assert json.loads((out / "metrics.json").read_text())["l1_mean"] > 0
+
+
+def test_readers_say_damaged_and_fall_back_from_a_damaged_newest_checkpoint(trained, tmp_path, capsys, caplog):
+    """A truncated newest checkpoint: export with its tag is one line saying damaged, naming the file; without a tag
+    export and predict take the checkpoint before it, saying so; the run directory is left as it was."""
+    run = tmp_path / "run"
+    shutil.copytree(trained["run"], run)
+    model = run / "checkpoints" / "step00000032" / "mp_rank_00_model_states.pt"
+    model.write_bytes(model.read_bytes()[:1000])
+    out = tmp_path / "emulator.pt"
+    assert export_main(["--run_dir", str(run), "--tag", "step00000032", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    damaged = r"damaged \(mp_rank_00_model_states.pt truncated: 1,000 of [\d,]+ bytes\)"
+    assert re.fullmatch(rf"error: {run}/checkpoints/step00000032: {damaged}", err), err
+    assert len(err.splitlines()) == 1 and len(err) - len(str(run)) < 200
+    caplog.clear()
+    assert export_main(["--run_dir", str(run), "--out", str(out)]) == 0
+    assert f"wrote {out} from {run} checkpoint step00000016" in capsys.readouterr().out
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings[0].startswith(f"checkpoint {model.parent} is damaged (mp_rank_00_model_states.pt truncated")
+    assert warnings[1] == "using step00000016, the newest intact checkpoint"
+    caplog.clear()
+    assert predict_main(["--run_dir", str(run), "--input", str(trained["val"]), "--out", str(tmp_path / "p")]) == 0
+    assert "using step00000016, the newest intact checkpoint" in caplog.text
+    assert model.stat().st_size == 1000 and (run / "checkpoints" / "step00000032").is_dir()  # readers move nothing
+
+
+def test_an_export_that_cannot_be_written_replaces_nothing(trained, tmp_path):
+    """A file size limit the export exceeds (SIGXFSZ ignored: the write fails): one line, status 2, the earlier
+    export as it was, no partial file left."""
+    out = tmp_path / "emulator.pt"
+    out.write_bytes(b"an earlier export")
+    script = (
+        f"trap '' XFSZ; ulimit -f 16; exec {sys.executable} -m model.export --run_dir {trained['run']} --out {out} "
+        "--overwrite"
+    )
+    result = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert (
+        len(lines) == 1
+        and lines[0].startswith(f"error: {out}: could not be written (")
+        and "nothing was replaced" in lines[0]
+    )
+    assert out.read_bytes() == b"an earlier export" and [p.name for p in tmp_path.iterdir()] == ["emulator.pt"]

@@ -201,6 +201,104 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(data, tmp_path):
     assert not list(ckpt.glob(".*.partial"))  # the leftover was cleaned up by the next save
 
 
+def _digest(run):
+    return json.loads((run / "summary.json").read_text())["rank_weight_digests"]
+
+
+def test_a_damaged_newest_checkpoint_is_named_set_aside_and_resume_takes_the_one_before(finished, tmp_path):
+    """The newest checkpoint's model file cut to 1,000 bytes, as a crash or a full disk leaves it: one warning names
+    the file and what is wrong, the run resumes from the intact checkpoint before it and ends bit for bit where the
+    undamaged run ended; nothing is deleted, and the steps done again are logged once."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    ckpt = run / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step00000016", "step00000032"]
+    manifest = json.loads((ckpt / "step00000032" / "manifest.json").read_text())["files"]
+    assert "mp_rank_00_model_states.pt" in manifest and all(len(f["sha256"]) == 64 for f in manifest.values())
+    model = ckpt / "step00000032" / "mp_rank_00_model_states.pt"
+    size = model.stat().st_size
+    model.write_bytes(model.read_bytes()[:1000])
+    result = run_train(["--run_dir", str(run), "--resume"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    warnings = [line for line in result.stderr.splitlines() if " WARNING " in line]
+    assert (
+        f"checkpoint {ckpt / 'step00000032'} is damaged (mp_rank_00_model_states.pt truncated: 1,000 of {size:,} "
+        in warnings[0]
+    )
+    assert "set aside as step00000032.damaged" in warnings[0] and all(len(w) < 300 for w in warnings)
+    assert "resuming from step00000016, the newest intact checkpoint" in result.stderr
+    assert (ckpt / "step00000032.damaged" / "mp_rank_00_model_states.pt").stat().st_size == 1000  # kept as found
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step00000016", "step00000032", "step00000032.damaged"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from"] == {"epoch": 1, "batch_in_epoch": 0} and summary["finished"]
+    assert _digest(run) == _digest(finished)
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [
+        json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if "loss/train" in line
+    ]
+    assert train_steps == sorted(set(train_steps)) and max(steps) == 32
+    abandoned = [json.loads(line) for line in (run / "metrics.abandoned.jsonl").read_text().splitlines()]
+    assert abandoned and all(r["step"] > 16 for r in abandoned)
+
+
+def test_resume_with_no_intact_checkpoint_names_each_one_and_changes_nothing(finished, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    ckpt = run / "checkpoints"
+    (ckpt / "step00000032" / "mp_rank_00_model_states.pt").unlink()
+    model = ckpt / "step00000016" / "mp_rank_00_model_states.pt"
+    damaged = bytearray(model.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01  # one bit flipped: same size, another checksum
+    model.write_bytes(bytes(damaged))
+    before = _snapshot(run)
+    line = _one_error_line(run_train(["--run_dir", str(run), "--resume"]))
+    assert line.endswith(
+        f"--resume: no intact checkpoint in {ckpt} (step00000032: mp_rank_00_model_states.pt missing; "
+        "step00000016: mp_rank_00_model_states.pt checksum mismatch)"
+    )
+    assert _snapshot(run) == before
+
+
+def test_a_checkpoint_from_before_manifests_resumes_unverified(finished, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    (run / "checkpoints" / "step00000032" / "manifest.json").unlink()
+    (run / "checkpoints" / "latest").write_text("step00000032")
+    result = run_train(["--run_dir", str(run), "--resume", "--num_epochs", "2"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "checkpoint step00000032 has no manifest (written before checkpoints were verified): resumed unverified" in (
+        result.stderr
+    )
+
+
+def test_a_save_that_fails_part_way_loses_nothing_and_resume_continues_exactly(data, finished, tmp_path):
+    """A file size limit (ulimit -f, SIGXFSZ ignored: writes fail with EFBIG) that the first checkpoint fits and the
+    second does not: one line naming the directory and the error, the first checkpoint and latest untouched, no
+    partial directory left; --resume without the limit ends bit for bit where the uninterrupted run ended."""
+    run = tmp_path / "run"
+    first = run_train(_args(data, run, "--num_epochs", "2", "--stop_after_epoch", "1"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    ckpt = run / "checkpoints"
+    before = _snapshot(run)
+    largest = max(p.stat().st_size for p in (ckpt / "step00000016").iterdir())
+    limit_blocks = largest // 1024 // 2  # KiB (bash): half the largest checkpoint file; the log and metrics stay below
+    script = f"trap '' XFSZ; ulimit -f {limit_blocks}; exec {sys.executable} ds_train.py --run_dir {run} --resume"
+    limited = subprocess.run(
+        ["bash", "-c", script], cwd=REPO, env=TRAIN_ENV, capture_output=True, text=True, timeout=300
+    )
+    line = _one_error_line(limited)
+    limit = limit_blocks * 1024
+    assert line.endswith(
+        f"saving checkpoint step00000032 into {ckpt} failed (a write failed under this process's file size limit of "
+        f"{limit:,} bytes, ulimit -f): the previous checkpoint and latest are as they were"
+    )
+    assert _snapshot(run) == before and (ckpt / "latest").read_text() == "step00000016"
+    assert not list(ckpt.glob(".*.partial"))
+    result = run_train(["--run_dir", str(run), "--resume"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _digest(run) == _digest(finished)
+
+
 # --- stopping on request -----------------------------------------------------------------------------------
 
 
@@ -330,3 +428,16 @@ def test_yaml_booleans_get_a_hint():
         ConfigError, match="data_checks must be one of .* got False \\(YAML reads yes/no/on/off as booleans"
     ):
         build_config({"data_checks": False}, {})
+
+
+def test_a_run_record_that_cannot_be_written_is_one_line(finished, tmp_path):
+    """summary.json cannot replace what stands at its place (a directory here; a full disk says so the same way):
+    one line naming the file and the reason, status 2, the checkpoints as they were."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    (run / "summary.json").unlink()
+    (run / "summary.json").mkdir()
+    before = _snapshot(run)
+    line = _one_error_line(run_train(["--run_dir", str(run), "--resume"]))
+    assert line.endswith(f"{run / 'summary.json'}: Is a directory; the checkpoints saved so far are intact")
+    assert _snapshot(run) == before

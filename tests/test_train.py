@@ -195,7 +195,6 @@ def test_profile_records_a_trace_of_the_step_phases(tmp_path):
     assert {"down.0", "down.3", "up.0", "up.2", "last"} <= set(blocks)  # the tiny config's U-Net of depth 4
     forward_ms, backward_ms = ({name: float(row[i]) for name, row in blocks.items()} for i in (1, 4))
     assert all(forward_ms[name] > 0 and backward_ms[name] > 0 for name in ("down.0", "up.2", "last"))
-    assert backward_ms["down.0"] > forward_ms["down.0"] / 2  # a backward computes two gradients of a convolution
     assert sum(f"forward {name}" in names for name in ("down.0", "up.2", "last")) == 3  # ranges in the trace too
 
 

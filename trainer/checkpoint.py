@@ -1,17 +1,25 @@
-"""Checkpoints that are never lost: complete before they become the latest, the newest few kept.
+"""Checkpoints that are never lost and prove themselves: complete and on disk before they become the latest,
+verified before they are resumed from, the newest few kept.
 
 DeepSpeed writes a checkpoint into a directory named by its tag and then rewrites the file
 ``latest``; a process killed in between can leave ``latest`` naming a half-written checkpoint, or
-``latest`` itself half-written. Here every rank writes into a hidden ``.<tag>.partial`` directory;
-only when all ranks are done does rank 0 rename it to ``<tag>`` and replace ``latest`` atomically
-(a new file renamed over the old). A kill at any moment leaves the previous checkpoint loadable.
+``latest`` itself half-written. Here every rank writes into a hidden ``.<tag>.partial`` directory and
+fsyncs what it wrote; only when all ranks are done does rank 0 record each file's size and SHA-256 in a
+manifest, rename the directory to ``<tag>`` and replace ``latest`` atomically (a new file renamed over
+the old). A kill or a failed write at any moment leaves the previous checkpoint loadable, and a failure
+on any rank ends the save on every rank. ``--resume`` takes the newest checkpoint whose files match
+its manifest; a damaged one is set aside (``model.checkpoints.set_aside``), never deleted.
 Tags are global steps (``step00000048``), so that their order is the order of training.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import pickle
+import resource
 import shutil
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +27,22 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
-from model.checkpoints import CHECKPOINT_DIR, LATEST, TAG_PREFIX, checkpoint_tags, latest_tag, tag_for
+from model.checkpoints import (
+    CHECKPOINT_DIR,
+    LATEST,
+    TAG_PREFIX,
+    checkpoint_tags,
+    is_verifiable,
+    latest_tag,
+    newest_intact,
+    set_aside,
+    tag_for,
+    write_manifest,
+)
 from pipeline.files import fsync_dir, write_text_atomically
 from trainer.errors import CheckpointError, NumericalError
+
+log = logging.getLogger(__name__)
 
 
 def weights_are_finite(engine: Any) -> bool:
@@ -32,11 +53,58 @@ def weights_are_finite(engine: Any) -> bool:
     return flag.item() == 0.0
 
 
+def _on_any_rank(failed: Exception | None, device: torch.device) -> bool:
+    """Whether a save failed on any rank (one reduction, in place of a barrier: no rank waits for one that failed)."""
+    flag = torch.tensor([0.0 if failed is None else 1.0], device=device)
+    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+def _fsync_files(directory: Path) -> None:
+    """Every file under ``directory`` on disk: what this node wrote of it, before it is renamed into place."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _in_torch_save(err: BaseException) -> bool:
+    """Whether ``err`` came out of torch.save: its writer turns a failed write into a RuntimeError of its own
+    ("unexpected pos", "iostream error"...), without the system's error number."""
+    return any(
+        frame.filename.endswith(f"torch{os.sep}serialization.py") for frame in traceback.extract_tb(err.__traceback__)
+    )
+
+
+def _why(err: Exception | None, directory: Path) -> str:
+    """Why a save failed, in a few words: the system's reason, or where torch's writer hides it, the likely one."""
+    if err is None:
+        return "it failed on another rank"
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return f"a write failed under this process's file size limit of {limit:,} bytes, ulimit -f"
+    free = shutil.disk_usage(directory).free
+    return f"a write failed with {free / 2**30:.1f} GiB free there: {' '.join(str(err).split())[:60]}"
+
+
+def _failed(tag: str, ckpt_dir: Path, err: Exception | None) -> CheckpointError:
+    return CheckpointError(
+        f"saving checkpoint {tag} into {ckpt_dir} failed ({_why(err, ckpt_dir)}): the previous checkpoint and "
+        f"{LATEST} are as they were"
+    )
+
+
 def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], keep: int) -> str:
     """Save the engine's state as the newest checkpoint, on every rank; returns its tag.
 
     Refuses (NumericalError) to save weights that are not finite: a NaN model must not replace a
-    good checkpoint.
+    good checkpoint. A write that fails (a full disk, a file size limit) on any rank is a CheckpointError
+    on every rank, the partial directory removed and the previous checkpoint left as the latest.
     """
     ckpt_dir = run_dir / CHECKPOINT_DIR
     tag = tag_for(engine.global_steps)
@@ -45,14 +113,31 @@ def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], ke
             f"weights at step {engine.global_steps} are not finite: not saving them (the last checkpoint is kept)"
         )
     partial = f".{tag}.partial"
-    engine.save_checkpoint(str(ckpt_dir), tag=partial, client_state=client_state, save_latest=False)
-    torch_dist.barrier()
-    if torch_dist.get_rank() == 0:
-        if (ckpt_dir / tag).exists():  # the same step saved before (a resumed run stopped again at once)
-            shutil.rmtree(ckpt_dir / tag)
-        os.replace(ckpt_dir / partial, ckpt_dir / tag)
-        fsync_dir(ckpt_dir)
-        write_text_atomically(ckpt_dir / LATEST, tag)
+    failed: Exception | None = None
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=partial, client_state=client_state, save_latest=False)
+        _fsync_files(ckpt_dir / partial)
+    except (OSError, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and not _in_torch_save(err):
+            raise
+        failed = err
+        torch_dist.barrier()  # the one DeepSpeed's save ends with, where the other ranks wait
+    rank0 = torch_dist.get_rank() == 0
+    if not _on_any_rank(failed, engine.device) and rank0:
+        try:
+            write_manifest(ckpt_dir / partial)
+            if (ckpt_dir / tag).exists():  # the same step saved before (a resumed run stopped again at once)
+                shutil.rmtree(ckpt_dir / tag)
+            os.replace(ckpt_dir / partial, ckpt_dir / tag)
+            fsync_dir(ckpt_dir)
+            write_text_atomically(ckpt_dir / LATEST, tag)
+        except OSError as err:
+            failed = err
+    if _on_any_rank(failed, engine.device):
+        if rank0:
+            shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
+        raise _failed(tag, ckpt_dir, failed)
+    if rank0:
         _prune(ckpt_dir, keep)
     torch_dist.barrier()
     return tag
@@ -66,14 +151,51 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def load_checkpoint(engine: Any, run_dir: Path) -> dict[str, Any]:
-    """Load the latest checkpoint of ``run_dir`` into the engine; its client state."""
+def choose_checkpoint(run_dir: Path) -> str:
+    """The newest checkpoint whose files match its manifest (or, written before manifests, that has none); each
+    newer one that does not is named in a warning and set aside. Rank 0's choice; a CheckpointError where none is
+    left, naming each one tried."""
     ckpt_dir = run_dir / CHECKPOINT_DIR
-    tag = latest_tag(run_dir)
+    tag, damaged = newest_intact(run_dir)
     if tag is None:
-        raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}")
-    if not (ckpt_dir / tag).is_dir():
-        raise CheckpointError(f"--resume: {ckpt_dir / LATEST} names {tag}, which is missing")
+        if not damaged:
+            raise CheckpointError(f"--resume: no checkpoint in {ckpt_dir}")
+        tried = "; ".join(f"{t}: {problem}" for t, problem in damaged)
+        raise CheckpointError(f"--resume: no intact checkpoint in {ckpt_dir} ({tried})")
+    for bad, problem in damaged:
+        aside = set_aside(run_dir, bad)
+        log.warning("checkpoint %s is damaged (%s): set aside as %s", ckpt_dir / bad, problem, aside.name)
+    if damaged:
+        log.warning("resuming from %s, the newest intact checkpoint", tag)
+    if not is_verifiable(ckpt_dir / tag):
+        log.warning("checkpoint %s has no manifest (written before checkpoints were verified): resumed unverified", tag)
+    if latest_tag(run_dir) != tag:
+        write_text_atomically(ckpt_dir / LATEST, tag)
+    return tag
+
+
+def _agreed_checkpoint(run_dir: Path) -> str:
+    """Rank 0 verifies and chooses; every rank gets the same tag, or the same error."""
+    choice: list[Any] = [None]
+    if torch_dist.get_rank() == 0:
+        try:
+            choice[0] = choose_checkpoint(run_dir)
+        except CheckpointError as err:
+            choice[0] = err
+    torch_dist.broadcast_object_list(choice, src=0)
+    if isinstance(choice[0], CheckpointError):
+        raise choice[0]
+    return choice[0]
+
+
+# What torch says of a file it cannot read as a checkpoint, as opposed to one that does not fit the model.
+_UNREADABLE = ("PytorchStreamReader", "central directory", "unpickl", "EOF", "invalid load key", "zip archive")
+
+
+def load_checkpoint(engine: Any, run_dir: Path) -> dict[str, Any]:
+    """Load the newest intact checkpoint of ``run_dir`` into the engine (the same on every rank); its client state."""
+    ckpt_dir = run_dir / CHECKPOINT_DIR
+    tag = _agreed_checkpoint(run_dir)
     try:
         path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     except ZeRORuntimeException:
@@ -82,9 +204,12 @@ def load_checkpoint(engine: Any, run_dir: Path) -> dict[str, Any]:
             f"--resume: checkpoint {ckpt_dir / tag} holds ZeRO optimizer states split over {saved} rank(s), this run "
             f"has {engine.dp_world_size}: resume on {saved} rank(s) (DeepSpeed cannot split them anew)"
         ) from None
-    except (RuntimeError, KeyError, ValueError, OSError, EOFError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"--resume: checkpoint {ckpt_dir / tag} does not fit this model: {first}") from None
+    except (RuntimeError, KeyError, ValueError, OSError, EOFError, pickle.UnpicklingError) as err:
+        said = " ".join(str(err).split()) or type(err).__name__
+        first = said.split(". ")[0][:80]
+        if any(sign in f"{type(err).__name__} {said}" for sign in _UNREADABLE):
+            raise CheckpointError(f"--resume: checkpoint {ckpt_dir / tag} is damaged ({first})") from None
+        raise CheckpointError(f"--resume: checkpoint {ckpt_dir / tag} does not fit this model ({first})") from None
     if path is None:
         raise CheckpointError(f"--resume: checkpoint {ckpt_dir / tag} could not be loaded")
     return client_state

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
+
+from pipeline.files import write_text_atomically
 
 
 class RunLog:
@@ -21,12 +24,19 @@ class RunLog:
 
     _JSON_ONLY = ("epoch", "samples", "loss/train_per_rank")
 
-    def __init__(self, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, resumed_step: int | None = None) -> None:
+        """``resumed_step``: the step a resumed run continues from. What an earlier run logged beyond it (steps done
+        again now, after a stop between checkpoints or from an older checkpoint than the newest) leaves
+        metrics.jsonl for metrics.abandoned.jsonl, and TensorBoard drops it (its purge step)."""
         self.enabled = enabled
         self._start = time.time()
         if enabled:
-            self._jsonl = (run_dir / "metrics.jsonl").open("a")
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            path = run_dir / "metrics.jsonl"
+            if resumed_step is not None and path.is_file():
+                _set_aside_beyond(path, run_dir / "metrics.abandoned.jsonl", resumed_step)
+            self._jsonl = path.open("a")
+            purge = None if resumed_step is None else resumed_step + 1
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def write(self, step: int, **values: Any) -> None:
         if not self.enabled:
@@ -43,3 +53,20 @@ class RunLog:
         if self.enabled:
             self._jsonl.close()
             self._tb.close()
+
+
+def _set_aside_beyond(path: Path, aside: Path, step: int) -> None:
+    """Move the records of ``path`` beyond ``step`` to the end of ``aside``; ``path`` is replaced atomically."""
+    kept, beyond = [], []
+    for line in path.read_text().splitlines():
+        try:
+            later = json.loads(line)["step"] > step
+        except (ValueError, KeyError, TypeError):
+            later = False  # a record cut short stays where it was
+        (beyond if later else kept).append(line)
+    if beyond:
+        with aside.open("a") as f:
+            f.write("".join(line + "\n" for line in beyond))
+            f.flush()
+            os.fsync(f.fileno())
+        write_text_atomically(path, "".join(line + "\n" for line in kept))

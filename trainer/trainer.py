@@ -144,7 +144,8 @@ class Trainer:
             dist, micro, accumulation, self.steps_per_epoch, device, self.dtype, self.epoch, self.batch_in_epoch
         )
         self.val_loader = self.data.val_loader(dist, micro, device, self.dtype)
-        self.runlog = RunLog(run_dir, enabled=dist.is_main)
+        resumed_step = self.engine.global_steps if resume else None
+        self.runlog = RunLog(run_dir, enabled=dist.is_main, resumed_step=resumed_step)
         self.first_batch_digest: str | None = None
         self.profiler: torch.profiler.profile | None = None
         self.block_ranges: contextlib.AbstractContextManager | None = None
