@@ -39,4 +39,4 @@ data: setup
 	$(BIN)/python -m pipeline.synthetic --out_dir data/synthetic/lcdm --universe lcdm
 
 tensorboard: setup
-	$(BIN)/tensorboard --logdir $(RUNS) --port $(PORT)
+	$(BIN)/tensorboard --logdir $(RUNS) --port $(PORT) --load_fast false

@@ -31,7 +31,7 @@ DIVERGED_EXIT = 3
 
 
 SWITCHES = {
-    "--resume": "continue the run in --run_dir from its latest checkpoint",
+    "--resume": "continue the run in --run_dir from its newest intact checkpoint",
     "--overwrite": "start afresh in a --run_dir that holds a run, deleting it",
     "--allow_config_change": "with --resume: accept settings that change the training",
     "--profile": "record a torch.profiler trace of a few steps into RUN_DIR/profile",
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return DIVERGED_EXIT
     except OSError as err:  # a run record that cannot be written (a full disk, a file size limit...): one line
         where = f"{err.filename}: " if err.filename else ""
-        log.error("%s%s; the checkpoints saved so far are intact", where, err.strerror or err)
+        log.error("%s%s", where, err.strerror or " ".join(str(err).split()))
         return 2
     finally:
         if run is not None:

@@ -78,19 +78,22 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
     try:
         files = json.loads((checkpoint / MANIFEST).read_text())["files"]
         expected = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in files.items()}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"{MANIFEST} unreadable"
     for name, (size, digest) in expected.items():
         path = checkpoint / name
         if not path.is_file():
             return f"{name} missing"
-        actual = path.stat().st_size
-        if actual < size:
-            return f"{name} truncated: {actual:,} of {size:,} bytes"
-        if actual > size:
-            return f"{name} longer than written: {actual:,} bytes, not {size:,}"
-        if _sha256(path) != digest:
-            return f"{name} checksum mismatch"
+        try:
+            actual = path.stat().st_size
+            if actual < size:
+                return f"{name} truncated: {actual:,} of {size:,} bytes"
+            if actual > size:
+                return f"{name} longer than written: {actual:,} bytes, not {size:,}"
+            if _sha256(path) != digest:
+                return f"{name} checksum mismatch"
+        except OSError as err:
+            return f"{name} unreadable ({err.strerror or err})"
     return None
 
 
@@ -106,11 +109,20 @@ def set_aside(run_dir: Path, tag: str) -> Path:
 
 
 def newest_intact(run_dir: Path) -> tuple[str | None, list[tuple[str, str]]]:
-    """The newest checkpoint whose files are as their manifest says (or that has none), and the (tag, problem) of
-    each newer one that is not."""
+    """The newest checkpoint up to the one ``latest`` names (where it names one) whose files are as their manifest
+    says, and the (tag, problem) of each newer one that is not. A checkpoint without a manifest passes where the run
+    has none (written before manifests existed); beside checkpoints that have one, its manifest is missing."""
+    tags = checkpoint_tags(run_dir)
+    latest = latest_tag(run_dir)
+    if latest in tags:
+        tags = tags[: tags.index(latest) + 1]
+    verified_run = any(is_verifiable(run_dir / CHECKPOINT_DIR / t) for t in tags)
     damaged = []
-    for tag in reversed(checkpoint_tags(run_dir)):
-        problem = checkpoint_problem(run_dir / CHECKPOINT_DIR / tag)
+    for tag in reversed(tags):
+        checkpoint = run_dir / CHECKPOINT_DIR / tag
+        problem = checkpoint_problem(checkpoint)
+        if problem is None and verified_run and not is_verifiable(checkpoint):
+            problem = f"{MANIFEST} missing"
         if problem is None:
             return tag, damaged
         damaged.append((tag, problem))

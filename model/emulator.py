@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--run_dir", type=existing_dir, help="run directory (default: the newest under runs/ with a checkpoint)"
     )
-    parser.add_argument("--tag", help="checkpoint tag (default: the latest)")
+    parser.add_argument("--tag", help="checkpoint tag (default: the newest intact one)")
     parser.add_argument("--out", type=output_file, required=True, help="the file to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)

@@ -262,13 +262,20 @@ def test_resume_with_no_intact_checkpoint_names_each_one_and_changes_nothing(fin
 def test_a_checkpoint_from_before_manifests_resumes_unverified(finished, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished, run)
-    (run / "checkpoints" / "step00000032" / "manifest.json").unlink()
-    (run / "checkpoints" / "latest").write_text("step00000032")
+    for manifest in (run / "checkpoints").glob("*/manifest.json"):
+        manifest.unlink()
     result = run_train(["--run_dir", str(run), "--resume", "--num_epochs", "2"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "checkpoint step00000032 has no manifest (written before checkpoints were verified): resumed unverified" in (
         result.stderr
     )
+    # Beside a checkpoint that has one, a missing manifest is damage: the run goes back to the one that has it.
+    copy = tmp_path / "copy"
+    shutil.copytree(finished, copy)
+    (copy / "checkpoints" / "step00000032" / "manifest.json").unlink()
+    result = run_train(["--run_dir", str(copy), "--resume"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "step00000032 is damaged (manifest.json missing): set aside" in result.stderr
 
 
 def test_a_save_that_fails_part_way_loses_nothing_and_resume_continues_exactly(data, finished, tmp_path):
@@ -289,7 +296,7 @@ def test_a_save_that_fails_part_way_loses_nothing_and_resume_continues_exactly(d
     line = _one_error_line(limited)
     limit = limit_blocks * 1024
     assert line.endswith(
-        f"saving checkpoint step00000032 into {ckpt} failed (a write failed under this process's file size limit of "
+        f"saving checkpoint step00000032 into {ckpt} failed (a file reached this process's file size limit of "
         f"{limit:,} bytes, ulimit -f): the previous checkpoint and latest are as they were"
     )
     assert _snapshot(run) == before and (ckpt / "latest").read_text() == "step00000016"
@@ -439,5 +446,5 @@ def test_a_run_record_that_cannot_be_written_is_one_line(finished, tmp_path):
     (run / "summary.json").mkdir()
     before = _snapshot(run)
     line = _one_error_line(run_train(["--run_dir", str(run), "--resume"]))
-    assert line.endswith(f"{run / 'summary.json'}: Is a directory; the checkpoints saved so far are intact")
+    assert line.endswith(f"{run / 'summary.json'}: Is a directory")
     assert _snapshot(run) == before

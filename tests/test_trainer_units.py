@@ -64,3 +64,16 @@ def test_channels_last_is_on_by_default_with_a_gpu_only():
     assert channels_last_on(Config(), "cuda") is True and channels_last_on(Config(), "cpu") is False
     assert channels_last_on(Config(channels_last=False), "cuda") is False
     assert channels_last_on(Config(channels_last=True), "cpu") is True
+
+
+def test_a_resume_sets_aside_what_was_logged_beyond_it_and_any_record_cut_short(tmp_path):
+    from trainer.runlog import _set_aside_beyond
+
+    metrics, aside = tmp_path / "metrics.jsonl", tmp_path / "metrics.abandoned.jsonl"
+    metrics.write_text('{"step": 0}\n{"step": 8}\n{"step": 16}\n{"step": 2')  # a crash in the middle of a record
+    _set_aside_beyond(metrics, aside, 8)
+    assert metrics.read_text() == '{"step": 0}\n{"step": 8}\n'
+    assert aside.read_text() == '{"step": 16}\n{"step": 2\n'
+    metrics.write_text('{"step": 0}\n{"step": 4}')  # nothing beyond, but no whole last line: the next record is whole
+    _set_aside_beyond(metrics, aside, 8)
+    assert metrics.read_text() == '{"step": 0}\n{"step": 4}\n' and aside.read_text().count("\n") == 2

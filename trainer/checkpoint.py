@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 import resource
 import shutil
 import traceback
@@ -60,10 +61,12 @@ def _on_any_rank(failed: Exception | None, device: torch.device) -> bool:
     return flag.item() > 0
 
 
-def _fsync_files(directory: Path) -> None:
-    """Every file under ``directory`` on disk: what this node wrote of it, before it is renamed into place."""
-    for path in directory.rglob("*"):
-        if path.is_file():
+def _fsync_own_files(directory: Path, rank: int) -> None:
+    """The files of ``directory`` that this rank wrote, on disk before the directory is renamed into place: the
+    ZeRO optimizer states of its own partition, and on rank 0 everything else (DeepSpeed's model states)."""
+    for path in sorted(directory.rglob("*")):
+        owner = re.search(r"zero_pp_rank_(\d+)_", path.name)
+        if path.is_file() and (int(owner[1]) if owner else 0) == rank:
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -74,9 +77,8 @@ def _fsync_files(directory: Path) -> None:
 def _in_torch_save(err: BaseException) -> bool:
     """Whether ``err`` came out of torch.save: its writer turns a failed write into a RuntimeError of its own
     ("unexpected pos", "iostream error"...), without the system's error number."""
-    return any(
-        frame.filename.endswith(f"torch{os.sep}serialization.py") for frame in traceback.extract_tb(err.__traceback__)
-    )
+    frames = traceback.extract_tb(err.__traceback__)
+    return any(frame.filename.endswith(f"torch{os.sep}serialization.py") for frame in frames)
 
 
 def _why(err: Exception | None, directory: Path) -> str:
@@ -86,17 +88,43 @@ def _why(err: Exception | None, directory: Path) -> str:
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    if limit != resource.RLIM_INFINITY:
-        return f"a write failed under this process's file size limit of {limit:,} bytes, ulimit -f"
-    free = shutil.disk_usage(directory).free
-    return f"a write failed with {free / 2**30:.1f} GiB free there: {' '.join(str(err).split())[:60]}"
+    written = (
+        max((p.stat().st_size for p in directory.rglob("*") if p.is_file()), default=0) if directory.is_dir() else 0
+    )
+    if limit != resource.RLIM_INFINITY and written >= limit:
+        return f"a file reached this process's file size limit of {limit:,} bytes, ulimit -f"
+    free = shutil.disk_usage(directory.parent).free
+    said = re.sub(r"^\[enforce fail at [^]]*\]\s*\.?\s*", "", " ".join(str(err).split()))
+    return f"a write failed with {free / 2**30:.1f} GiB free there: {said[:50]}"
 
 
 def _failed(tag: str, ckpt_dir: Path, err: Exception | None) -> CheckpointError:
     return CheckpointError(
-        f"saving checkpoint {tag} into {ckpt_dir} failed ({_why(err, ckpt_dir)}): the previous checkpoint and "
-        f"{LATEST} are as they were"
+        f"saving checkpoint {tag} into {ckpt_dir} failed ({_why(err, ckpt_dir / f'.{tag}.partial')}): the "
+        f"previous checkpoint and {LATEST} are as they were"
     )
+
+
+def _publish(ckpt_dir: Path, partial: str, tag: str) -> None:
+    """Rank 0: the manifest, then the partial directory renamed into place and made the latest. A checkpoint of the
+    same step from before (a resumed run stopped again at once) is replaced only once the new one is latest; a
+    failure part way puts the new one back where it was, so that the caller can remove it."""
+    write_manifest(ckpt_dir / partial)
+    fsync_dir(ckpt_dir / partial)
+    old = ckpt_dir / f".{tag}.replaced"
+    if (ckpt_dir / tag).exists():
+        os.replace(ckpt_dir / tag, old)
+    try:
+        os.replace(ckpt_dir / partial, ckpt_dir / tag)
+        fsync_dir(ckpt_dir)
+        write_text_atomically(ckpt_dir / LATEST, tag)
+    except OSError:
+        if (ckpt_dir / tag).exists() and not (ckpt_dir / partial).exists():
+            os.replace(ckpt_dir / tag, ckpt_dir / partial)
+        if old.exists():
+            os.replace(old, ckpt_dir / tag)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], keep: int) -> str:
@@ -104,7 +132,9 @@ def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], ke
 
     Refuses (NumericalError) to save weights that are not finite: a NaN model must not replace a
     good checkpoint. A write that fails (a full disk, a file size limit) on any rank is a CheckpointError
-    on every rank, the partial directory removed and the previous checkpoint left as the latest.
+    on every rank, the partial directory removed and the previous checkpoint left as the latest. Every rank
+    makes the same collectives whatever fails where: DeepSpeed's own, stood in for by one barrier where its save
+    raised part way (after its tag check, where its writes are), then agreements in place of barriers.
     """
     ckpt_dir = run_dir / CHECKPOINT_DIR
     tag = tag_for(engine.global_steps)
@@ -112,32 +142,39 @@ def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], ke
         raise NumericalError(
             f"weights at step {engine.global_steps} are not finite: not saving them (the last checkpoint is kept)"
         )
-    partial = f".{tag}.partial"
+    rank = torch_dist.get_rank()
     failed: Exception | None = None
+    if rank == 0:  # made here, so that DeepSpeed's own making of it, before its first barrier, cannot fail
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            failed = err
+    if _on_any_rank(failed, engine.device):
+        raise _failed(tag, ckpt_dir, failed)
+    partial = f".{tag}.partial"
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=partial, client_state=client_state, save_latest=False)
-        _fsync_files(ckpt_dir / partial)
     except (OSError, RuntimeError) as err:
         if isinstance(err, RuntimeError) and not _in_torch_save(err):
             raise
         failed = err
         torch_dist.barrier()  # the one DeepSpeed's save ends with, where the other ranks wait
-    rank0 = torch_dist.get_rank() == 0
-    if not _on_any_rank(failed, engine.device) and rank0:
+    if failed is None:
         try:
-            write_manifest(ckpt_dir / partial)
-            if (ckpt_dir / tag).exists():  # the same step saved before (a resumed run stopped again at once)
-                shutil.rmtree(ckpt_dir / tag)
-            os.replace(ckpt_dir / partial, ckpt_dir / tag)
-            fsync_dir(ckpt_dir)
-            write_text_atomically(ckpt_dir / LATEST, tag)
+            _fsync_own_files(ckpt_dir / partial, rank)
+        except OSError as err:
+            failed = err
+    if not _on_any_rank(failed, engine.device) and rank == 0:
+        try:
+            _publish(ckpt_dir, partial, tag)
         except OSError as err:
             failed = err
     if _on_any_rank(failed, engine.device):
-        if rank0:
+        error = _failed(tag, ckpt_dir, failed)  # said while what was written is still there to measure
+        if rank == 0:
             shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
-        raise _failed(tag, ckpt_dir, failed)
-    if rank0:
+        raise error
+    if rank == 0:
         _prune(ckpt_dir, keep)
     torch_dist.barrier()
     return tag
@@ -147,8 +184,9 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
     """Keep the newest ``keep`` complete checkpoints; remove the rest and any partial leftovers."""
     for old in checkpoint_tags(ckpt_dir.parent)[:-keep]:
         shutil.rmtree(ckpt_dir / old)
-    for leftover in ckpt_dir.glob(f".{TAG_PREFIX}*.partial"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    for pattern in (f".{TAG_PREFIX}*.partial", f".{TAG_PREFIX}*.replaced"):
+        for leftover in ckpt_dir.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def choose_checkpoint(run_dir: Path) -> str:
@@ -182,6 +220,10 @@ def _agreed_checkpoint(run_dir: Path) -> str:
             choice[0] = choose_checkpoint(run_dir)
         except CheckpointError as err:
             choice[0] = err
+        except Exception as err:  # an unreadable disk, a rename refused: said on every rank, none left waiting
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            where = f" ({err.filename})" if isinstance(err, OSError) and err.filename else ""
+            choice[0] = CheckpointError(f"--resume: checking the checkpoints failed{where}: {reason}")
     torch_dist.broadcast_object_list(choice, src=0)
     if isinstance(choice[0], CheckpointError):
         raise choice[0]

@@ -29,10 +29,11 @@ log = logging.getLogger(__name__)
 CONFIG = RUN_CONFIG  # the resolved config: what --resume reads back
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
+ABANDONED_METRICS = "metrics.abandoned.jsonl"  # what a resumed run logged again: the earlier run's beyond it
 LOG = "train.log"
 TENSORBOARD = "tensorboard"
 PROFILE = "profile"
-RUN_FILES = (CONFIG, METRICS, SUMMARY, LOG, TENSORBOARD, PROFILE, CHECKPOINT_DIR)
+RUN_FILES = (CONFIG, METRICS, ABANDONED_METRICS, SUMMARY, LOG, TENSORBOARD, PROFILE, CHECKPOINT_DIR)
 # --overwrite moves the earlier run here, and deletes it only once the new run has passed its checks.
 SET_ASIDE = ".overwritten"
 

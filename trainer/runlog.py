@@ -12,6 +12,7 @@ from typing import Any
 from torch.utils.tensorboard import SummaryWriter
 
 from pipeline.files import write_text_atomically
+from trainer.rundir import ABANDONED_METRICS, METRICS, TENSORBOARD
 
 
 class RunLog:
@@ -31,12 +32,12 @@ class RunLog:
         self.enabled = enabled
         self._start = time.time()
         if enabled:
-            path = run_dir / "metrics.jsonl"
+            path = run_dir / METRICS
             if resumed_step is not None and path.is_file():
-                _set_aside_beyond(path, run_dir / "metrics.abandoned.jsonl", resumed_step)
+                _set_aside_beyond(path, run_dir / ABANDONED_METRICS, resumed_step)
             self._jsonl = path.open("a")
             purge = None if resumed_step is None else resumed_step + 1
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
+            self._tb = SummaryWriter(log_dir=str(run_dir / TENSORBOARD), purge_step=purge)
 
     def write(self, step: int, **values: Any) -> None:
         if not self.enabled:
@@ -56,17 +57,20 @@ class RunLog:
 
 
 def _set_aside_beyond(path: Path, aside: Path, step: int) -> None:
-    """Move the records of ``path`` beyond ``step`` to the end of ``aside``; ``path`` is replaced atomically."""
+    """Move the records of ``path`` beyond ``step``, and any line that is not a record (one cut short by a crash),
+    to the end of ``aside``; ``path`` is replaced atomically, ending in a whole line."""
+    text = path.read_text()
     kept, beyond = [], []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             later = json.loads(line)["step"] > step
         except (ValueError, KeyError, TypeError):
-            later = False  # a record cut short stays where it was
+            later = True
         (beyond if later else kept).append(line)
-    if beyond:
-        with aside.open("a") as f:
-            f.write("".join(line + "\n" for line in beyond))
-            f.flush()
-            os.fsync(f.fileno())
+    if beyond or (text and not text.endswith("\n")):
+        if beyond:
+            with aside.open("a") as f:
+                f.write("".join(line + "\n" for line in beyond))
+                f.flush()
+                os.fsync(f.fileno())
         write_text_atomically(path, "".join(line + "\n" for line in kept))
