@@ -131,12 +131,12 @@ class ResidentCrops:
         self.cutter = DeviceCutter(augmenter, crop_size, nbody.device)
         if self.on_gpu:  # the cutter's tables, made on this stream, are read on DALI's
             torch.cuda.synchronize(nbody.device)
-        self.dtypes = (torch.float32 if dtype == torch.bfloat16 else dtype, torch.float32)  # DALI has no bfloat16
+        self.dtypes = (torch.float32 if _DALI_DTYPES[dtype] == types.FLOAT else dtype, torch.float32)
         self.channels_last = channels_last
         self.threads = 1  # nothing is cut on the CPU's threads
 
     def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> list[Any]:
-        return [np.array([[d.rotation, *d.corner] for d in draws], dtype=np.int64)]
+        return [DeviceCutter.host_arguments(draws, cut_already=False).numpy()]
 
     def _make(self, draws: list[Any]) -> tuple[Any, Any]:
         """Called by DALI with the batch's draws (DLPack, on the volumes' device): the batch's inputs and targets."""

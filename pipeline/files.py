@@ -42,8 +42,8 @@ def write_text_atomically(path: Path, text: str) -> None:
             os.fsync(f.fileno())
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the renames inside directory ``path`` durable."""
+def fsync_path(path: Path) -> None:
+    """Make what was written to file ``path``, or the renames inside directory ``path``, durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

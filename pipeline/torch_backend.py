@@ -67,8 +67,9 @@ class DeviceCutter:
         sign = np.stack([channel_signs(rot, channels, groups) for rot in ROTATIONS]).astype(np.float32)
         return torch.tensor(order, device=self.device), torch.from_numpy(sign).to(self.device)
 
-    def arguments(self, draws: list[SampleDraw], cut_already: bool) -> torch.Tensor:
-        """(B, 4) int64 on the device: rotation and corner of each sample.
+    @staticmethod
+    def host_arguments(draws: list[SampleDraw], cut_already: bool) -> torch.Tensor:
+        """(B, 4) int64 in host memory: rotation and corner of each sample.
 
         Crops are cut at each draw's corner from resident volumes, or were cut by the batcher
         (``cut_already``): then sample b is the whole of the source batch's sample b (corner 0).
@@ -77,6 +78,11 @@ class DeviceCutter:
         host[:, 0] = torch.tensor([d.rotation for d in draws])
         if not cut_already:
             host[:, 1:] = torch.tensor([d.corner for d in draws])
+        return host
+
+    def arguments(self, draws: list[SampleDraw], cut_already: bool) -> torch.Tensor:
+        """``host_arguments`` on the device, in one small non-blocking copy."""
+        host = self.host_arguments(draws, cut_already)
         if self.device.type == "cuda":
             return host.pin_memory().to(self.device, non_blocking=True)
         return host

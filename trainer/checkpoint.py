@@ -40,7 +40,7 @@ from model.checkpoints import (
     tag_for,
     write_manifest,
 )
-from pipeline.files import fsync_dir, write_text_atomically
+from pipeline.files import fsync_path, write_text_atomically
 from trainer.errors import CheckpointError, NumericalError
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,7 @@ def _fsync_own_files(directory: Path, rank: int) -> None:
     for path in sorted(directory.rglob("*")):
         owner = re.search(r"zero_pp_rank_(\d+)_", path.name)
         if path.is_file() and (int(owner[1]) if owner else 0) == rank:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(path)
 
 
 def _in_torch_save(err: BaseException) -> bool:
@@ -110,13 +106,13 @@ def _publish(ckpt_dir: Path, partial: str, tag: str) -> None:
     same step from before (a resumed run stopped again at once) is replaced only once the new one is latest; a
     failure part way puts the new one back where it was, so that the caller can remove it."""
     write_manifest(ckpt_dir / partial)
-    fsync_dir(ckpt_dir / partial)
+    fsync_path(ckpt_dir / partial)
     old = ckpt_dir / f".{tag}.replaced"
     if (ckpt_dir / tag).exists():
         os.replace(ckpt_dir / tag, old)
     try:
         os.replace(ckpt_dir / partial, ckpt_dir / tag)
-        fsync_dir(ckpt_dir)
+        fsync_path(ckpt_dir)
         write_text_atomically(ckpt_dir / LATEST, tag)
     except OSError:
         if (ckpt_dir / tag).exists() and not (ckpt_dir / partial).exists():
