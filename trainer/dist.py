@@ -28,8 +28,8 @@ import deepspeed
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from trainer.engine import jit_built
 from trainer.errors import DistError
+from trainer.op_builds import jit_built, settle_build_lock
 from trainer.provenance import cpu_info
 
 log = logging.getLogger(__name__)
@@ -217,10 +217,13 @@ def gpu_index(
     return local_rank
 
 
+_CPU_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME, loaded when torch.distributed starts
+
+
 def announce_cpu_comm_build() -> None:
     """On CPUs DeepSpeed compiles its shared-memory communication op the first time a process starts, silently for
     about 40 s, and caches it; say so before that silence."""
-    built, build = jit_built("deepspeed_shm_comm")  # DeepSpeed's ShareMemCommBuilder.NAME
+    built, build = jit_built(_CPU_COMM_OP)
     if not built:
         log.info("building DeepSpeed's CPU communication op, once (about 40 s; cached in %s)", build)
 
@@ -244,8 +247,10 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
         )
         torch.cuda.set_device(index)
         os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed takes its device from LOCAL_RANK
-    elif dist.is_main:
-        announce_cpu_comm_build()
+    else:
+        if dist.is_main:
+            announce_cpu_comm_build()
+        settle_build_lock(_CPU_COMM_OP, clears=dist.local_rank == 0)
     deepspeed.init_distributed(
         dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
     )

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from trainer.errors import ConfigError
+from trainer.op_builds import jit_built, settle_build_lock
 
 log = logging.getLogger(__name__)
 
@@ -141,14 +142,6 @@ def load_ds_template(path: str | Path, overrides: dict[str, Any] | None = None) 
 TORCH_FUSED_ADAM = {"torch_adam": True, "fused": True}
 
 
-def jit_built(name: str) -> tuple[bool, Path]:
-    """Whether torch's JIT extension ``name`` (a DeepSpeed op) was built before, and where it is cached."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    build = Path(_get_build_directory(name, verbose=False))
-    return (build / f"{name}.so").exists(), build
-
-
 def _ninja_dirs() -> list[str]:
     """Where a ninja that is not on PATH may be: beside this interpreter (a virtual environment not activated), and
     the bin directory beside the ninja package (wheels installed with pip --target SITE put it in SITE/bin)."""
@@ -163,13 +156,17 @@ def _ninja_dirs() -> list[str]:
 _ARCH = re.compile(r"(\d+)\.(\d+)[a-z]*(\+PTX)?")
 
 
+def _arch_entries(value: str) -> list[str]:
+    """The entries of a TORCH_CUDA_ARCH_LIST value, which torch separates by ';' or spaces."""
+    return [entry.strip() for entry in value.replace(" ", ";").split(";") if entry.strip()]
+
+
 def parseable_arch_list(value: str, device_capability: tuple[int, int] | None) -> str:
     """TORCH_CUDA_ARCH_LIST ``value`` in the form DeepSpeed's op builder parses, 'major.minor' with an optional
     '+PTX' (0.19.8 does int('0a') on '9.0a', and its JIT build dies): arch suffixes dropped, as FusedAdam uses no
     arch-specific instruction; a list with other entries (torch's named architectures) replaced by the device's own
     capability. ValueError where neither can be had."""
-    entries = [entry for entry in value.replace(" ", ";").split(";") if entry.strip()]
-    matches = [_ARCH.fullmatch(entry.strip()) for entry in entries]
+    matches = [_ARCH.fullmatch(entry) for entry in _arch_entries(value)]
     if all(matches):
         return ";".join(dict.fromkeys(f"{m[1]}.{m[2]}{m[3] or ''}" for m in matches if m is not None))
     if device_capability is None:
@@ -191,7 +188,7 @@ def fit_arch_list() -> str | None:
         fitted = parseable_arch_list(value, torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     except ValueError as err:
         return str(err)
-    if fitted.split(";") != [entry.strip() for entry in value.replace(" ", ";").split(";") if entry.strip()]:
+    if fitted.split(";") != _arch_entries(value):
         os.environ["TORCH_CUDA_ARCH_LIST"] = fitted
         if os.environ.get("RANK", "0") == "0":
             log.info(
@@ -241,6 +238,7 @@ def fused_adam_problem() -> str | None:
         return None  # prebuilt: nothing is compiled, the arch list is not read
     if problem := fit_arch_list() or arch_list_problem(builder):  # parsed even where the op was built before
         return problem
+    settle_build_lock(builder.name, clears=os.environ.get("LOCAL_RANK", "0") == "0")  # exported by dist.export()
     if jit_built(builder.name)[0]:
         return None
     if shutil.which("ninja") is None:
@@ -376,7 +374,7 @@ def backward(engine: Any, loss: torch.Tensor) -> None:
     if not engine.fp16_enabled():
         engine.backward(loss)
         return
-    scale = float(engine.optimizer.loss_scale)
+    scale = loss_scale(engine)
     scales_itself = _SCALES_ITSELF.get(engine)
     if scales_itself is None and scale != 1.0:  # a scale of 1 cannot tell: the next backward asks again
         handle = loss.register_hook(functools.partial(_probe_scaling, engine, scale))
