@@ -32,9 +32,8 @@ import torch.distributed as torch_dist
 
 from bench.env import REPO, append_records, environment
 from bench.flops import model_flops, utilization
-from model import Loss
 from pipeline.cli import output_file
-from trainer.build import Data, Engine, build_data, build_engine, build_model, prepare_data
+from trainer.build import Data, Engine, build_data, build_engine, build_loss, build_model, prepare_data
 from trainer.config import Config, build_config, config_parser, load_named, parse_config_options
 from trainer.dist import Device, DistEnv, init_distributed
 from trainer.engine import precision_name
@@ -120,7 +119,7 @@ class Case:
         self.accumulation = engine.gradient_accumulation_steps()
         self.micro = engine.train_micro_batch_size_per_gpu()
         self.guard = StepGuard(cfg, engine.device, stop=None)  # the trainer's agreement on each step, if it makes one
-        self.loss_fn = Loss.of(cfg)
+        self.loss_fn = build_loss(cfg)
         # the training loader only: the benchmark validates nothing
         self.train_loader = data.train_loader(
             dist, self.micro, self.accumulation, built.steps_per_epoch, device, built.dtype

@@ -1,6 +1,13 @@
-"""The one loss of the project: L1 (the reference's), plus two optional terms, both off by default.
+"""The one loss of the project: L1 (the reference's), plus optional terms, all off by default.
 
 - ``lambda_rho``: L1 on gas density in original space (channel 0 holds log(rho) / 14), weighting dense regions.
+- ``lambda_T``: L1 on the temperature in physical units, relative to the batch's mean: mean |T_pred - T_true| /
+  mean T_true, the normalization (channel 4 holds log10(T / T0) / ``temperature_log_range``) undone. The power of
+  T sits in its few hot voxels, where an error of 0.1 dex in log T is thousands of kelvin and the normalized L1
+  sees it no more than the same error in cold gas.
+- ``lambda_hot``: L1 on the normalized temperature channel with each voxel weighted by its share of the
+  temperature, T_true / mean T_true: to first order the same as ``lambda_T`` (|dT| = ln 10 range T |dx|), without
+  its growth with large errors.
 - ``lambda_pk``: the power spectra of the batch's predicted and true crops compared shell by shell of |k|: per
   channel, sum_k |P_pred(k) - P_true(k)| / sum_k P_true(k), averaged over the channels. L1 regression predicts a
   conditional median, which smooths: what it cannot place exactly it leaves out, and the predicted fields lose
@@ -14,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import torch
 
@@ -52,11 +58,13 @@ class Loss:
 
     lambda_rho: float = 0.0
     lambda_pk: float = 0.0
+    lambda_T: float = 0.0
+    lambda_hot: float = 0.0
+    temperature_log_range: float | None = None  # needed by lambda_T and lambda_hot
 
-    @classmethod
-    def of(cls, cfg: Any) -> Loss:
-        """The loss a training config asks for (its ``lambda_rho`` and ``lambda_pk``)."""
-        return cls(cfg.lambda_rho, cfg.lambda_pk)
+    def __post_init__(self) -> None:
+        if (self.lambda_T or self.lambda_hot) and not self.temperature_log_range:
+            raise ValueError("lambda_T and lambda_hot need the temperature's normalization (temperature_log_range)")
 
     def __call__(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         pred, target = pred.float(), target.float()
@@ -65,6 +73,13 @@ class Loss:
             rho_pred = torch.exp(LOG_DENSITY_SCALE * pred[:, 0])
             rho_target = torch.exp(LOG_DENSITY_SCALE * target[:, 0])
             loss = loss + self.lambda_rho * (rho_pred - rho_target).abs().mean()
+        if self.lambda_T or self.lambda_hot:
+            t_pred, t_true = (torch.pow(10.0, self.temperature_log_range * x[:, 4]) for x in (pred, target))
+            mean_t = t_true.mean()
+            if self.lambda_T:
+                loss = loss + self.lambda_T * (t_pred - t_true).abs().mean() / mean_t
+            if self.lambda_hot:
+                loss = loss + self.lambda_hot * (t_true / mean_t * (pred[:, 4] - target[:, 4]).abs()).mean()
         if self.lambda_pk:
             p_pred, p_true = crop_power(pred), crop_power(target)
             total = p_true.sum(dim=1).clamp_min(POWER_FLOOR)

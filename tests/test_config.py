@@ -1,9 +1,12 @@
 import json
+import shutil
 
+import h5py
 import pytest
 
 from ds_train import parse_args
-from tests.conftest import REPO
+from tests.conftest import REPO, run_train, tiny_args
+from trainer.build import build_loss
 from trainer.config import Config, build_config, changes_on_resume, leaf_keys, load_named, to_dict
 from trainer.errors import ConfigError
 
@@ -147,3 +150,46 @@ def test_keys_newer_than_a_saved_run_count_as_their_defaults_on_resume():
     harmless, changing = changes_on_resume(saved, Config(compile_mode="reduce-overhead", deepspeed_overrides={"a": 1}))
     assert harmless == {"compile_mode": ("default", "reduce-overhead")}
     assert changing == {"deepspeed_overrides": ({}, {"a": 1})}
+
+
+@pytest.fixture
+def bare_train_file(tiny_data, tmp_path):
+    """The tiny training box without the attribute that declares its normalization, as the reference's files are."""
+    bare = tmp_path / "bare.h5"
+    shutil.copy(tiny_data["train"], bare)
+    with h5py.File(bare, "a") as f:
+        del f.attrs["spec"]
+    return bare
+
+
+def test_a_temperature_term_needs_the_normalization_from_the_file_or_the_config(tiny_data, bare_train_file, caplog):
+    def loss(train, **overrides):
+        return build_loss(_load("debug", train_path=train, val_path=tiny_data["val"], synthetic="null", **overrides))
+
+    assert loss(bare_train_file).temperature_log_range is None  # no temperature term: nothing needs it
+    for term in ("lambda_T", "lambda_hot"):
+        with pytest.raises(ConfigError) as err:
+            loss(bare_train_file, **{term: 0.1})
+        assert str(err.value) == (
+            f"{term} needs the temperature's normalization, which {bare_train_file} does not declare: set "
+            "temperature_log_range (channel 4 holds log10(T / T0) / temperature_log_range)"
+        )
+    given = loss(bare_train_file, lambda_T=0.1, temperature_log_range=2.5)
+    assert (given.lambda_T, given.temperature_log_range) == (0.1, 2.5)
+    assert loss(tiny_data["train"], lambda_hot=0.2).temperature_log_range == 3.0  # what the synthetic box declares
+    with caplog.at_level("WARNING", logger="trainer.build"):
+        assert loss(tiny_data["train"], lambda_T=0.1, temperature_log_range=2.0).temperature_log_range == 2.0
+    assert caplog.messages == [
+        f"temperature_log_range 2 differs from the 3 that {tiny_data['train']} declares: the config's is used"
+    ]
+
+
+def test_a_run_asking_for_a_temperature_term_it_cannot_compute_stops_in_one_line(tiny_data, bare_train_file, tmp_path):
+    args = tiny_args(bare_train_file, tiny_data["val"], tmp_path / "run", "--synthetic", "null", "--lambda_T", "0.1")
+    result = run_train(args)
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert errors[0].endswith(
+        f"lambda_T needs the temperature's normalization, which {bare_train_file} does not "
+        "declare: set temperature_log_range (channel 4 holds log10(T / T0) / temperature_log_range)"
+    )

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -55,6 +56,35 @@ def test_loss_is_l1_plus_density_term():
     assert Loss()(pred, target).item() == pytest.approx(l1.item())
     rho = (torch.exp(LOG_DENSITY_SCALE * pred[:, 0]) - torch.exp(LOG_DENSITY_SCALE * target[:, 0])).abs().mean()
     assert Loss(lambda_rho=0.3)(pred, target).item() == pytest.approx((l1 + 0.3 * rho).item(), rel=1e-6)
+
+
+def test_temperature_terms_are_l1_in_physical_units_and_l1_weighted_by_the_temperature():
+    """Checked against float64 numpy: channel 4 holds log10(T / T0) / range."""
+    rng = np.random.default_rng(1)
+    pred, target = rng.uniform(-0.5, 1.0, (2, 2, 5, 4, 4, 4))
+    t_pred, t_true = 10.0 ** (3.0 * pred[:, 4]), 10.0 ** (3.0 * target[:, 4])
+    l1 = np.abs(pred - target).mean()
+    physical = np.abs(t_pred - t_true).mean() / t_true.mean()
+    weighted = (t_true / t_true.mean() * np.abs(pred[:, 4] - target[:, 4])).mean()
+    tensors = torch.from_numpy(pred).float(), torch.from_numpy(target).float()
+    assert Loss(lambda_T=0.5, temperature_log_range=3.0)(*tensors).item() == pytest.approx(l1 + 0.5 * physical, 1e-5)
+    assert Loss(lambda_hot=0.2, temperature_log_range=3.0)(*tensors).item() == pytest.approx(l1 + 0.2 * weighted, 1e-5)
+    with pytest.raises(ValueError, match="temperature_log_range"):
+        Loss(lambda_T=0.5)
+
+
+@pytest.mark.parametrize("term", ["lambda_T", "lambda_hot"])
+def test_temperature_terms_pull_hardest_where_the_gas_is_hot(term):
+    """The same error of 0.1 in normalized log T, in a voxel at T0 and one at 100 T0: the normalized L1 pulls both
+    alike, the temperature terms pull the hot one 100 times harder (1 + the term's share, for the L1 part)."""
+    target = torch.zeros(1, 5, 2, 1, 1)
+    target[0, 4, 1] = 2 / 3  # 10^(3 x 2/3) = 100 T0
+    pred = (target + 0.1).requires_grad_()
+    loss = Loss(temperature_log_range=3.0, **{term: 1.0})
+    (loss(pred, target) - Loss()(pred, target)).backward()
+    cold, hot = pred.grad[0, 4, 0, 0, 0].item(), pred.grad[0, 4, 1, 0, 0].item()
+    assert cold > 0 and hot / cold == pytest.approx(100.0, rel=1e-4)
+    assert pred.grad[0, :4].abs().sum() == 0
 
 
 def test_crop_power_puts_a_plane_wave_in_its_shell():

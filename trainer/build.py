@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
+import h5py
 import torch
 import torch.distributed as torch_dist
 
-from model import UNet
+from model import Loss, UNet
+from model.metrics import Normalization
 from pipeline.loaders import (
     LoaderSettings,
     batch_buffer_bytes,
@@ -74,6 +76,40 @@ def volume_files(cfg: Config, split: str) -> VolumeFiles:
     if split == "train":
         return VolumeFiles.npy(cfg.train_path_npy_data, cfg.train_path_npy_label, cfg.npy_layout)
     return VolumeFiles.npy(cfg.val_path_npy_data, cfg.val_path_npy_label, cfg.npy_layout)
+
+
+def normalization(cfg: Config, split: str) -> Normalization:
+    """How the ``split``'s temperature is normalized: ``temperature_log_range`` where the config sets it (a file
+    declaring another is warned about), else what the file declares (our synthetic boxes do; the reference's files
+    and .npy files do not: then unknown)."""
+    files = volume_files(cfg, split)
+    declared = None
+    if files.format == "hdf5":
+        with h5py.File(files.targets, "r") as f:
+            declared = Normalization.from_attrs(f.attrs).temperature_log_range
+    if cfg.temperature_log_range is None:
+        return Normalization(declared)
+    if declared is not None and declared != cfg.temperature_log_range:
+        log.warning(
+            "temperature_log_range %g differs from the %g that %s declares: the config's is used",
+            cfg.temperature_log_range,
+            declared,
+            files.targets,
+        )
+    return Normalization(cfg.temperature_log_range)
+
+
+def build_loss(cfg: Config) -> Loss:
+    """The loss the config asks for; a temperature term in physical units needs the training file's normalization
+    or the config's, never a guess."""
+    temperature_log_range = normalization(cfg, "train").temperature_log_range
+    if (cfg.lambda_T or cfg.lambda_hot) and temperature_log_range is None:
+        asked = " and ".join(name for name in ("lambda_T", "lambda_hot") if getattr(cfg, name))
+        raise ConfigError(
+            f"{asked} needs the temperature's normalization, which {volume_files(cfg, 'train').targets} does not "
+            "declare: set temperature_log_range (channel 4 holds log10(T / T0) / temperature_log_range)"
+        )
+    return Loss(cfg.lambda_rho, cfg.lambda_pk, cfg.lambda_T, cfg.lambda_hot, temperature_log_range)
 
 
 def validation_share(num_samples: int, batch: int, last_batch: str, rank: int, world_size: int) -> tuple[int, int]:

@@ -165,8 +165,27 @@ class Config:
     )
     lambda_pk: float = _field(
         0.0,
-        "weight of the loss term on the crops' power spectra (mean |log P_pred - log P_true| per shell of k)",
+        "weight of the loss term on the crops' power spectra (per channel, sum over shells of k of |P_pred - P_true| "
+        "over the true total power)",
         bound="non-negative",
+    )
+    lambda_T: float = _field(
+        0.0,
+        "weight of the extra L1 term on the temperature in physical units, relative to its mean (needs the "
+        "temperature's normalization: temperature_log_range or the training file's)",
+        bound="non-negative",
+    )
+    lambda_hot: float = _field(
+        0.0,
+        "weight of the extra L1 term on the normalized temperature, each voxel weighted by T / mean T (needs the "
+        "temperature's normalization, as lambda_T)",
+        bound="non-negative",
+    )
+    temperature_log_range: float | None = _field(
+        None,
+        "the targets' temperature normalization: channel 4 holds log10(T / T0) / temperature_log_range (null: what "
+        "the training file declares; the synthetic boxes declare theirs, the reference's files do not)",
+        bound="positive",
     )
     # Optimization
     num_epochs: int = _field(10, "training epochs", bound="positive")

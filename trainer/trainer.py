@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import h5py
 import numpy as np
 import psutil
 import torch
@@ -27,9 +26,9 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from model import Loss
-from model.metrics import Normalization, compare
+from model.metrics import compare
 from model.tiling import predict_box
-from trainer.build import build_data, build_engine
+from trainer.build import build_data, build_engine, build_loss, normalization
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import Config
 from trainer.dist import Device, DistEnv, device_name
@@ -137,7 +136,7 @@ class Trainer:
         self.guard = StepGuard(cfg, self.engine.device, stop, nonfinite_losses)
         # after a resume: from the weights it loaded
         self.watch = LearningWatch(self.engine, self.schedule.lr_at, self.schedule.peak, warn=dist.is_main)
-        self.loss_fn = Loss.of(cfg)
+        self.loss_fn = build_loss(cfg)
         micro = self.engine.train_micro_batch_size_per_gpu()
         accumulation = self.engine.gradient_accumulation_steps()
         self.train_loader = self.data.train_loader(
@@ -237,12 +236,12 @@ class Trainer:
                 micro,
                 self.engine.device,
             )
-            attrs = h5py.File(volumes.files.targets, "r").attrs if volumes.files.format == "hdf5" else {}
             truth = np.asarray(volumes.hydro[region], dtype=np.float32)
-            metrics = compare(pred, truth, Normalization.from_attrs(attrs))
+            metrics = compare(pred, truth, normalization(cfg, "val"))
             scalars = {"science/box_size": float(side)}
             scalars |= {f"science/l1_{name}": value for name, value in metrics["l1"].items()}
-            scalars |= {f"science/{name}": value for name, value in metrics["summary"].items()}
+            # a k range with no shell the truth resolves has no median: nothing to log
+            scalars |= {f"science/{name}": value for name, value in metrics["summary"].items() if value is not None}
             self.runlog.write(self.engine.global_steps, epoch=self.epoch + 1, **scalars)
             log.info(
                 "science metrics: %s", ", ".join(f"{k.removeprefix('science/')} {v:.4f}" for k, v in scalars.items())
