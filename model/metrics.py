@@ -9,10 +9,14 @@
   histograms, true and predicted);
 - summaries of P_pred / P_true and r(k): their medians over named ranges of k (``k_ranges``: large scales,
   intermediate, small scales up to Nyquist), so that a few shells far off cannot hide a range's typical value;
-- the science target (``target``): every shell up to a quarter of Nyquist within 10% in power and r >= 0.95.
+- the science target (``target``): every shell up to a quarter of Nyquist within 10% in power and r >= 0.95;
+- the gas velocities (``VELOCITIES``: each component and the speed), P_pred / P_true and r(k) with their medians,
+  and the same thresholds in a target of their own (``velocity_target``): a model that paints density and
+  temperature but not the flows shows it there.
 
-Power spectra are of the contrast f / mean(f) - 1 on the periodic grid, normalized per mode so that
-white noise of variance s^2 has P(k) = s^2 at every k.
+Power spectra of density and temperature are of the contrast f / mean(f) - 1, those of the velocities of the
+field itself (its mean is about zero), on the periodic grid, normalized per mode so that white noise of variance
+s^2 has P(k) = s^2 at every k.
 """
 
 from __future__ import annotations
@@ -93,20 +97,28 @@ def contrast(field: np.ndarray) -> np.ndarray:
 # Shells where the truth's power is below this fraction of its peak are beyond the truth's own cut-off (a field
 # smoothed by construction): there the ratio measures the prediction's noise over nothing, not the model.
 TRUTH_CUTOFF = 1e-6
-FIELDS = ("gas_density", "temperature")  # the fields whose spectra are compared
+FIELDS = ("gas_density", "temperature")  # the fields of the science target
+VELOCITIES = ("vx", "vy", "vz", "speed")  # the gas velocity's components (normalized units) and its magnitude
 
 
-def compare_spectra(pred: np.ndarray, true: np.ndarray) -> dict[str, Any]:
-    """P_pred / P_true and r(k) per shell, and the last k before the truth's cut-off (None where it has none)."""
-    s = spectra(contrast(pred), contrast(true))
-    resolved = s["p_b"] >= TRUTH_CUTOFF * s["p_b"].max()
+def compare_spectra(pred: np.ndarray, true: np.ndarray, of_contrast: bool = True) -> dict[str, Any]:
+    """P_pred / P_true and r(k) per shell, and the last k before the truth's cut-off (None where it has none): of
+    the fields' contrasts, or of the fields themselves."""
+    s = spectra(contrast(pred), contrast(true)) if of_contrast else spectra(pred, true)
+    resolved = s["p_b"] > TRUTH_CUTOFF * s["p_b"].max()  # none where the truth has no fluctuations at all
     cut = np.flatnonzero(~resolved)
+    with np.errstate(divide="ignore", invalid="ignore"):  # shells where the truth has no power: None
+        ratio, r = s["p_a"] / s["p_b"], s["p_ab"] / np.sqrt(s["p_a"] * s["p_b"])
     return {
         "k": s["k"].tolist(),
-        "power_ratio": (s["p_a"] / s["p_b"]).tolist(),
-        "r": (s["p_ab"] / np.sqrt(s["p_a"] * s["p_b"])).tolist(),
-        "truth_cutoff_k": int(s["k"][cut[0] - 1]) if cut.size else None,
+        "power_ratio": _finite(ratio),
+        "r": _finite(r),
+        "truth_cutoff_k": int(cut[0]) if cut.size else None,  # shells are k = 1, 2, ...: the last one before
     }
+
+
+def _finite(values: np.ndarray) -> list[float | None]:
+    return [float(v) if np.isfinite(v) else None for v in values]
 
 
 def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int = 40) -> dict[str, Any]:
@@ -123,6 +135,11 @@ def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int =
         "gas_density": compare_spectra(rho_pred, rho_true),
         "temperature": compare_spectra(t_pred, t_true),
     }
+    velocity = {which: box[1:4].astype(np.float64) for which, box in (("pred", pred), ("true", true))}
+    for c, name in enumerate(VELOCITIES[:3]):
+        result[name] = compare_spectra(velocity["pred"][c], velocity["true"][c], of_contrast=False)
+    speed = {which: np.sqrt(np.square(v).sum(axis=0)) for which, v in velocity.items()}
+    result["speed"] = compare_spectra(speed["pred"], speed["true"], of_contrast=False)
     log_true, log_pred = np.log10(rho_true), np.log10(rho_pred)
     edges = np.linspace(*np.percentile(log_true, [0.1, 99.9]), bins + 1)
     pdf_true, _ = np.histogram(log_true, edges, density=True)
@@ -151,15 +168,22 @@ def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int =
     result["temperature_density_plane"] = _plane(log_true, log_t_true, log_pred, log_t_pred, bins)
     ranges = k_ranges(len(result["gas_density"]["k"]))
     result["k_ranges"] = {name: [lo, hi] for name, (lo, hi) in ranges.items()}
-    result["target"] = science_target(result)
+    result["target"] = science_target(result, FIELDS)
+    result["velocity_target"] = science_target(result, VELOCITIES)
     result["summary"] = {}
-    for field in ("gas_density", "temperature"):
-        last = result[field]["truth_cutoff_k"] or len(result[field]["k"])  # shells beyond the truth's cut-off: out
+    for field in (*FIELDS, *VELOCITIES):
+        last = _last_resolved(result[field])  # shells beyond the truth's cut-off: out
         for stat in ("power_ratio", "r"):
             for name, (lo, hi) in ranges.items():
-                values = result[field][stat][lo - 1 : min(hi, last)]
+                values = [v for v in result[field][stat][lo - 1 : min(hi, last)] if v is not None]
                 result["summary"][f"{field}_{stat}_{name}"] = float(np.median(values)) if values else None
     return result
+
+
+def _last_resolved(spectra: dict[str, Any]) -> int:
+    """The last k the truth resolves (0: none)."""
+    cutoff = spectra["truth_cutoff_k"]
+    return len(spectra["k"]) if cutoff is None else cutoff
 
 
 def _plane(log_rho: np.ndarray, log_t: np.ndarray, log_rho_pred: np.ndarray, log_t_pred: np.ndarray, bins: int):
@@ -179,15 +203,18 @@ TARGET_POWER_TOLERANCE = 0.10
 TARGET_MIN_R = 0.95
 
 
-def science_target(metrics: dict[str, Any]) -> dict[str, Any]:
+def science_target(metrics: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
     """Per field, over every shell from k = 1 to a quarter of Nyquist (and not beyond the truth's cut-off): the
     lowest and highest power ratio, the lowest r, and whether all are within the target."""
     nyquist = len(metrics["gas_density"]["k"])
     upto = max(1, nyquist // 4)
     target: dict[str, Any] = {"k_max": upto, "power_tolerance": TARGET_POWER_TOLERANCE, "min_r": TARGET_MIN_R}
-    for field in FIELDS:
-        last = min(upto, metrics[field]["truth_cutoff_k"] or upto)
+    for field in fields:
+        last = min(upto, _last_resolved(metrics[field]))
         ratio, r = metrics[field]["power_ratio"][:last], metrics[field]["r"][:last]
+        if not ratio:  # a truth without fluctuations (a file whose velocities are all zero): nothing to judge
+            target[field] = {"power_ratio_min": None, "power_ratio_max": None, "r_min": None, "met": None}
+            continue
         met = all(abs(x - 1) <= TARGET_POWER_TOLERANCE for x in ratio) and min(r) >= TARGET_MIN_R
         target[field] = {"power_ratio_min": min(ratio), "power_ratio_max": max(ratio), "r_min": min(r), "met": met}
     return target
@@ -215,35 +242,53 @@ def spectra_table(metrics: dict[str, Any], max_rows: int = 32) -> str:
     )
     lines = [f"{'k':>5}  {'gas density P/P':>15}  {'r':>6}  {'temperature P/P':>15}  {'r':>6}"]
     for i in shown:
-        row = [metrics[f][s][i] for f in ("gas_density", "temperature") for s in ("power_ratio", "r")]
-        lines.append(f"{k[i]:>5}  {row[0]:>15.3f}  {row[1]:>6.3f}  {row[2]:>15.3f}  {row[3]:>6.3f}")
+        row = [_shown(metrics[f][stat][i]) for f in FIELDS for stat in ("power_ratio", "r")]
+        lines.append(f"{k[i]:>5}  {row[0]:>15}  {row[1]:>6}  {row[2]:>15}  {row[3]:>6}")
     if len(shown) < len(k):
         lines.append(f"({len(shown)} of {len(k)} shells shown; metrics.json holds every k)")
     cuts = [
         f"{f.replace('_', ' ')} from k {metrics[f]['truth_cutoff_k'] + 1}"
         for f in FIELDS
-        if metrics[f]["truth_cutoff_k"]
+        if metrics[f]["truth_cutoff_k"] is not None
     ]
     if cuts:
         lines.append(f"(left out of the medians, beyond the truth's cut-off: {', '.join(cuts)})")
     lines.append("medians over k ranges (units of the fundamental mode 2 pi / L):")
 
-    def shown(value: float | None) -> str:
-        return "-" if value is None else f"{value:.3f}"
+    def medians(field: str, k_range: str) -> str:
+        values = [metrics["summary"][f"{field}_{stat}_{k_range}"] for stat in ("power_ratio", "r")]
+        return "P/P {}, r {}".format(*map(_shown, values))
 
     for name, (lo, hi) in metrics["k_ranges"].items():
-        row = [shown(metrics["summary"][f"{f}_{s}_{name}"]) for f in FIELDS for s in ("power_ratio", "r")]
         label = f"{name.replace('_', ' ')} (k {lo}-{hi})"
-        lines.append(f"  {label:<28} gas density P/P {row[0]}, r {row[1]}; temperature P/P {row[2]}, r {row[3]}")
-    target = metrics["target"]
-    lines.append(
-        f"science target, every shell k 1-{target['k_max']}: P/P within {target['power_tolerance']:.0%}, "
+        cells = [f"{f.replace('_', ' ')} {medians(f, name)}" for f in FIELDS]
+        lines.append(f"  {label:<28} {'; '.join(cells)}")
+    lines += _target_lines(metrics["target"], FIELDS, "science target")
+    lines.append("gas velocities (of the field itself, not a contrast), medians over the same k ranges:")
+    for name, (lo, hi) in metrics["k_ranges"].items():
+        label = f"{name.replace('_', ' ')} (k {lo}-{hi})"
+        cells = [f"{v} {medians(v, name)}" for v in VELOCITIES]
+        lines.append(f"  {label:<28} {'; '.join(cells)}")
+    lines += _target_lines(metrics["velocity_target"], VELOCITIES, "velocities, apart from the science target")
+    return "\n".join(lines)
+
+
+def _shown(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _target_lines(target: dict[str, Any], fields: tuple[str, ...], title: str) -> list[str]:
+    lines = [
+        f"{title}, every shell k 1-{target['k_max']}: P/P within {target['power_tolerance']:.0%}, "
         f"r >= {target['min_r']}:"
-    )
-    for f in FIELDS:
+    ]
+    for f in fields:
         t = target[f]
+        if t["met"] is None:
+            lines.append(f"  {f.replace('_', ' '):<12} no fluctuations in the truth: not judged")
+            continue
         lines.append(
             f"  {f.replace('_', ' '):<12} P/P {t['power_ratio_min']:.3f}-{t['power_ratio_max']:.3f}, "
             f"r >= {t['r_min']:.3f}: {'met' if t['met'] else 'not met'}"
         )
-    return "\n".join(lines)
+    return lines

@@ -192,6 +192,63 @@ def test_summaries_leave_out_the_shells_beyond_the_truths_cut_off():
     assert "beyond the truth's cut-off: gas density from k 5" in table and "gas density P/P -, r -" in table
 
 
+def _smooth_fields(count, n, seed):
+    g = np.random.default_rng(seed).normal(size=(count, n, n, n))
+    shells, _ = _shells(n)
+    return np.fft.irfftn(np.fft.rfftn(g, axes=(1, 2, 3)) * (shells <= 6), s=(n, n, n), axes=(1, 2, 3))
+
+
+def test_the_velocities_are_reported_and_judged_apart_from_the_science_target():
+    """Density and temperature exact, the flows not: the science target is met and the velocities' own line says
+    which component is off. Their spectra are of the field itself: twice the velocity is four times the power (a
+    contrast would not see it)."""
+    n = 32
+    fields = _smooth_fields(5, n, seed=6)
+    true = np.zeros((5, n, n, n))
+    true[0] = np.log(1.0 + 0.05 * fields[0]) / LOG_DENSITY_SCALE
+    true[1:4] = 0.1 * fields[1:4]
+    true[4] = 0.01 * fields[4]
+    pred = true.copy()
+    pred[1] = 2 * true[1]  # vx: the right pattern, twice as strong
+    pred[3] = true[3] + 0.1 * _smooth_fields(1, n, seed=7)[0]  # vz: another field added
+    metrics = compare(pred, true, Normalization(temperature_log_range=3.0))
+    assert metrics["target"]["gas_density"]["met"] and metrics["target"]["temperature"]["met"]
+    velocity = metrics["velocity_target"]
+    assert velocity["vx"]["power_ratio_min"] == pytest.approx(4.0) and velocity["vx"]["r_min"] == pytest.approx(1.0)
+    assert velocity["vy"]["met"] and not velocity["vx"]["met"] and not velocity["vz"]["met"]
+    assert velocity["vz"]["r_min"] < 0.95 and not velocity["speed"]["met"]
+    speed = np.sqrt(np.square(true[1:4]).sum(0))
+    expected = spectra(np.sqrt(np.square(pred[1:4]).sum(0)), speed)
+    assert metrics["speed"]["power_ratio"] == pytest.approx((expected["p_a"] / expected["p_b"]).tolist())
+    summary = metrics["summary"]
+    assert summary["vx_power_ratio_large_scales"] == pytest.approx(4.0) and summary[
+        "vy_r_intermediate"
+    ] == pytest.approx(1.0)
+    table = spectra_table(metrics)
+    assert "gas density  P/P 1.000-1.000, r >= 1.000: met" in table
+    velocities = table[table.index("velocities, apart from the science target, every shell k 1-4") :]
+    assert "vx           P/P 4.000-4.000, r >= 1.000: not met" in velocities
+    assert "vy           P/P 1.000-1.000, r >= 1.000: met" in velocities
+    assert "large scales (k 1-2)" in table and "vx P/P 4.000, r 1.000; vy P/P 1.000, r 1.000" in table
+
+
+def test_a_truth_without_flows_leaves_the_velocities_unjudged():
+    """Files whose velocities are all zero: no ratios of nothing, and the report says the velocities are not
+    judged instead of failing or writing NaN."""
+    n = 16
+    fields = _smooth_fields(2, n, seed=8)
+    true = np.zeros((5, n, n, n))
+    true[0] = np.log(1.0 + 0.05 * fields[0]) / LOG_DENSITY_SCALE
+    true[4] = 0.01 * fields[1]
+    pred = true.copy()
+    pred[1] = 0.01 * fields[1]
+    metrics = compare(pred, true, Normalization(temperature_log_range=3.0))
+    json.dumps(metrics, allow_nan=False)
+    assert metrics["vx"]["truth_cutoff_k"] == 0 and set(metrics["vx"]["power_ratio"]) == {None}
+    assert metrics["velocity_target"]["vx"]["met"] is None and metrics["summary"]["vx_r_large_scales"] is None
+    assert "vx           no fluctuations in the truth: not judged" in spectra_table(metrics)
+
+
 def test_export_round_trip_gives_identical_outputs(tmp_path):
     spec = EmulatorSpec(4, 5, 4, 3, 16, [[1, 2, 3]], [[1, 2, 3]])
     emulator = Emulator(spec, _net(seed=5), "test")
@@ -290,7 +347,12 @@ def test_science_metrics_during_training(trained, tmp_path):
         if "science/l1_gas_density" in line
     ]
     assert [r["epoch"] for r in science] == [2]
-    assert {"science/gas_density_power_ratio_large_scales", "science/temperature_r_small_scales"} <= set(science[0])
+    logged = {
+        "science/gas_density_power_ratio_large_scales",
+        "science/temperature_r_small_scales",
+        "science/vx_r_large_scales",
+    }
+    assert logged <= set(science[0]) and None not in science[0].values()
     assert science[0]["science/box_size"] == 32  # the whole validation box
 
 
