@@ -1,0 +1,152 @@
+"""Loss remedies compared side by side: each arm trained with each seed, then its validation box predicted.
+
+    python -m bench.remedies                                   # the debug config, the arms below, seeds 0 and 1
+    python -m bench.remedies --config science --seeds 0 --arms baseline lambda_T=0.1
+    python -m bench.remedies --table                           # the table of the newest records, nothing run
+
+An arm is ``name`` (the config as it is) or ``key=value[,key=value]`` (options of ds_train.py, without the
+dashes). A run whose directory already holds a finished summary and metrics is not run again. Each (arm, seed) is
+one record in bench/results/remedies.jsonl: L1 per channel (the table shows the velocity's as one mean), the
+science target's statistics for gas density and temperature (and the velocities), the training's wall time and
+step rate.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.env import REPO, append_records, environment, read_records
+from pipeline.cli import ArgumentParser, output_file
+from trainer.config import load_named
+from trainer.rundir import SUMMARY
+
+RESULTS = REPO / "bench" / "results" / "remedies.jsonl"
+ARMS = ["baseline", "lambda_T=0.1", "lambda_hot=0.3", "num_epochs=10"]
+
+
+def arm_options(arm: str) -> list[str]:
+    """ds_train.py's options for an arm: 'baseline' none, else --key value for each key=value."""
+    if arm == "baseline":
+        return []
+    options = []
+    for pair in arm.split(","):
+        key, sep, value = pair.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"arm {arm!r}: expected 'baseline' or key=value[,key=value]")
+        options += [f"--{key}", value]
+    return options
+
+
+def _run(command: list[str]) -> None:
+    result = subprocess.run(command, cwd=REPO)
+    if result.returncode != 0:
+        sys.exit(f"failed (exit status {result.returncode}): {' '.join(command)}")
+
+
+def run_arm(config: str, arm: str, seed: int, out_dir: Path, val_path: str) -> dict[str, Any]:
+    """Train the arm with this seed (unless its directory holds a finished run) and predict the validation box."""
+    run_dir = out_dir / f"{config}-{arm.replace('=', '_').replace(',', '+')}-seed{seed}"
+    summary_path, metrics_path = run_dir / SUMMARY, run_dir / "prediction" / "metrics.json"
+    if not (summary_path.exists() and json.loads(summary_path.read_text()).get("finished")):
+        options = ["--config", config, "--seed", str(seed), "--run_dir", str(run_dir), *arm_options(arm)]
+        _run([sys.executable, "ds_train.py", *options, *(["--overwrite"] if run_dir.exists() else [])])
+    if not metrics_path.exists():
+        started = time.perf_counter()
+        _run([sys.executable, "-m", "model.predict", "--run_dir", str(run_dir), "--input", val_path])
+        print(f"predicted in {time.perf_counter() - started:.0f} s", flush=True)
+    summary, metrics = json.loads(summary_path.read_text()), json.loads(metrics_path.read_text())
+    record: dict[str, Any] = {
+        "bench": "remedies",
+        "config": config,
+        "arm": arm,
+        "seed": seed,
+        "run_dir": str(run_dir),
+        "final_val_loss": summary["final_val_loss"],
+        "train_wall_s": summary["wall_s"],
+        "samples_per_s": summary["samples_per_s"],
+        "global_batch": summary["global_batch"],
+        "l1": metrics["l1"],
+        "k_max": metrics["target"]["k_max"],
+    }
+    for name, target in (("target", metrics["target"]), ("velocity_target", metrics["velocity_target"])):
+        record[name] = {field: stats for field, stats in target.items() if isinstance(stats, dict)}
+    return record
+
+
+def _span(records: list[dict[str, Any]], field: str) -> str:
+    """A field's power ratios (lowest-highest over the target's shells) and lowest r, one seed after another."""
+    cells = []
+    for r in records:
+        t = r["target"][field] if field in r["target"] else r["velocity_target"][field]
+        if t["met"] is None:
+            cells.append("-")
+        else:
+            cells.append(f"{t['power_ratio_min']:.2f}-{t['power_ratio_max']:.2f}, {t['r_min']:.3f}")
+    return " / ".join(cells)
+
+
+def _l1(records: list[dict[str, Any]], *channels: str) -> str:
+    """The L1 of a channel (the mean of several), one seed after another."""
+    return " / ".join(f"{statistics.mean(r['l1'][c] for c in channels):.5f}" for r in records)
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    """Markdown: one row per (config, arm), its seeds side by side (separated by /); the velocity's L1 is the mean of
+    its three components', the step time the global batch over the training's median rate, the mean over the seeds."""
+    rows = [
+        "| config | arm | seeds | L1 gas density | L1 velocity | L1 temperature | gas density P/P, min r "
+        "| temperature P/P, min r | speed P/P, min r | step ms (median) | training s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    newest: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for r in records:
+        newest[(r["config"], r["arm"], r["seed"])] = r
+    arms: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for (config, arm, _), r in sorted(newest.items(), key=lambda item: item[0][2]):
+        arms.setdefault((config, arm), []).append(r)
+    for (config, arm), rs in arms.items():
+        rows.append(
+            f"| {config} | {arm} | {' / '.join(str(r['seed']) for r in rs)} "
+            f"| {_l1(rs, 'gas_density')} | {_l1(rs, 'vx', 'vy', 'vz')} | {_l1(rs, 'temperature')} "
+            f"| {_span(rs, 'gas_density')} | {_span(rs, 'temperature')} | {_span(rs, 'speed')} "
+            f"| {statistics.mean(1000 * r['global_batch'] / r['samples_per_s'] for r in rs):.0f} "
+            f"| {statistics.mean(r['train_wall_s'] for r in rs):.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(prog="python -m bench.remedies", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="debug")
+    parser.add_argument("--arms", nargs="+", default=ARMS, help="'baseline' or key=value[,key=value] each")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--out_dir", type=Path, default=REPO / "runs" / "remedies", help="where the runs go")
+    parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
+    parser.add_argument("--table", action="store_true", help="only print the table of the results file")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(table(read_records(args.out) if args.out.exists() else []))
+        return
+    for arm in args.arms:
+        try:
+            arm_options(arm)
+        except ValueError as err:
+            parser.error(str(err))
+    val_path = str(REPO / load_named(REPO / "ds_configs" / "UNet.yaml", args.config)["val_path"])
+    env = environment()
+    for arm in args.arms:
+        for seed in args.seeds:
+            record = run_arm(args.config, arm, seed, args.out_dir, val_path) | env
+            append_records(args.out, [record])
+    records = [r for r in read_records(args.out) if r["config"] == args.config and r["arm"] in args.arms]
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
