@@ -73,6 +73,8 @@ def run_arm(config: str, arm: str, seed: int, out_dir: Path, val_path: str) -> d
         "global_batch": summary["global_batch"],
         "l1": metrics["l1"],
         "k_max": metrics["target"]["k_max"],
+        "k_ranges": metrics["k_ranges"],
+        "summary": metrics["summary"],
     }
     for name, target in (("target", metrics["target"]), ("velocity_target", metrics["velocity_target"])):
         record[name] = {field: stats for field, stats in target.items() if isinstance(stats, dict)}
@@ -121,6 +123,27 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+RANGES = ("large_scales", "intermediate")  # the small scales lie beyond the synthetic gas's smoothing
+
+
+def range_table(records: list[dict[str, Any]]) -> str:
+    """Markdown: per (config, arm, seed), the medians over model.predict's large-scale and intermediate k ranges
+    of P/P and r for gas density and temperature (records from before the ranges were kept are left out)."""
+    fields = ("gas_density", "temperature")
+    head = " | ".join(f"{f.replace('_', ' ')} {name.replace('_', ' ')}" for f in fields for name in RANGES)
+    rows = [f"| config | arm | seed | k ranges | {head} |", "| --- | --- | --- | --- |" + " --- |" * 4]
+    newest = {(r["config"], r["arm"], r["seed"]): r for r in records if "summary" in r}
+    for (config, arm, seed), r in newest.items():
+        ks = " / ".join("-".join(map(str, r["k_ranges"][name])) for name in RANGES)
+        cells = []
+        for f in fields:
+            for name in RANGES:
+                ratio, corr = r["summary"][f"{f}_power_ratio_{name}"], r["summary"][f"{f}_r_{name}"]
+                cells.append("-" if ratio is None else f"{ratio:.3f}, {corr:.3f}")
+        rows.append(f"| {config} | {arm} | {seed} | {ks} | {' | '.join(cells)} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m bench.remedies", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="debug")
@@ -131,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table", action="store_true", help="only print the table of the results file")
     args = parser.parse_args(argv)
     if args.table:
-        print(table(read_records(args.out) if args.out.exists() else []))
+        records = read_records(args.out) if args.out.exists() else []
+        print(table(records) + "\n\n" + range_table(records))
         return
     for arm in args.arms:
         try:
@@ -145,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             record = run_arm(args.config, arm, seed, args.out_dir, val_path) | env
             append_records(args.out, [record])
     records = [r for r in read_records(args.out) if r["config"] == args.config and r["arm"] in args.arms]
-    print(table(records))
+    print(table(records) + "\n\n" + range_table(records))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.remedies import arm_options, table
+from bench.remedies import arm_options, range_table, table
 
 
 def test_arms_become_options_and_a_malformed_one_is_named():
@@ -38,3 +38,21 @@ def test_the_table_has_a_row_per_arm_with_the_newest_record_of_each_seed():
         "| 0.60-0.70, 0.990 / 0.50-0.60, 0.990 | 0.60-0.70, 0.990 / 0.50-0.60, 0.990 | - / - | 320 | 75 |"
     )
     assert rows[3].startswith("| debug | lambda_T=0.1 | 0 | 0.00100 |")
+
+
+def test_the_range_table_gives_the_medians_per_k_range_and_leaves_out_records_without_them():
+    summary = {
+        f"{field}_{stat}_{name}": value
+        for field, base in (("gas_density", 1.0), ("temperature", 1.5))
+        for stat, offset in (("power_ratio", 0.0), ("r", -0.5))
+        for name, step in (("large_scales", 0.01), ("intermediate", 0.02), ("small_scales", 0.03))
+        for value in [base + offset + step]
+    }
+    summary["temperature_power_ratio_intermediate"] = None  # a range the truth does not resolve
+    ranged = _record("lambda_T=0.1", 0, 0.9, 90) | {
+        "k_ranges": {"large_scales": [1, 8], "intermediate": [9, 32], "small_scales": [33, 64]},
+        "summary": summary,
+    }
+    rows = range_table([_record("baseline", 0, 0.5, 70), ranged]).splitlines()
+    assert len(rows) == 3
+    assert rows[2] == "| debug | lambda_T=0.1 | 0 | 1-8 / 9-32 | 1.010, 0.510 | 1.020, 0.520 | 1.510, 1.010 | - |"
