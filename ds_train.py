@@ -17,7 +17,7 @@ import sys
 
 import torch.distributed as torch_dist
 
-from pipeline.cli import output_dir
+from common.cli import output_dir
 from trainer.build import prepare_data
 from trainer.config import build_config, config_parser, load_named, parse_config_options, resumed_config
 from trainer.dist import DistEnv, init_distributed

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from model import UNet
+from model import UNetSpec
 from trainer.provenance import cpu_info
 
 # Dense (no sparsity) peaks from the vendors' datasheets. fp32 training on these GPUs runs its
@@ -39,15 +39,15 @@ _GPU_PEAKS: dict[str, dict[str, tuple[float, str]]] = {
 _GPU_PEAKS["NVIDIA A100-SXM4-80GB"] = _GPU_PEAKS["NVIDIA A100-SXM4-40GB"]
 
 
-def model_flops(in_channels: int, out_channels: int, width: int, depth: int, crop: int) -> dict[str, float]:
+def model_flops(spec: UNetSpec, crop: int) -> dict[str, float]:
     """FLOPs of one sample: forward, and forward + backward (a training step without the optimizer)."""
     with torch.device("meta"):
-        net = UNet(in_channels, out_channels, width, depth)
+        net = spec.build()
         with FlopCounterMode(display=False) as counter:
-            net(torch.empty(1, in_channels, crop, crop, crop))
+            net(torch.empty(1, spec.in_channels, crop, crop, crop))
         forward = counter.get_total_flops()
         with FlopCounterMode(display=False) as counter:
-            net(torch.empty(1, in_channels, crop, crop, crop)).sum().backward()
+            net(torch.empty(1, spec.in_channels, crop, crop, crop)).sum().backward()
         training = counter.get_total_flops()
     return {"forward_flops_per_sample": float(forward), "train_flops_per_sample": float(training)}
 

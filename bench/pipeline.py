@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bench.env import REPO, append_records, environment, read_records
-from pipeline.cli import ArgumentParser, existing_file, output_file
+from common.cli import ArgumentParser, existing_file, output_file
 from pipeline.convert import convert
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
 from pipeline.loaders import LoaderSettings, build_loader

@@ -88,7 +88,7 @@ def problems(dali: bool, gpu: bool) -> tuple[list[str], list[str]]:
 
 
 class _OneLineErrors(argparse.ArgumentParser):
-    """A mistake on the command line is one line (pipeline.cli's parser would import the project's packages)."""
+    """A mistake on the command line is one line (common.cli's parser would import the project's packages)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")

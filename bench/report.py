@@ -16,7 +16,7 @@ from typing import Any
 from bench.env import REPO, read_records
 from bench.pipeline import DOC, update_doc
 from bench.train import RESULTS
-from pipeline.cli import ArgumentParser, existing_file, output_dir
+from common.cli import ArgumentParser, existing_file, output_dir
 
 PLOTS = REPO / "bench" / "results"
 

@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.env import REPO, append_records, environment, read_records
-from pipeline.cli import ArgumentParser, existing_dir, output_file
+from common.cli import ArgumentParser, existing_dir, output_file
+from trainer.rundir import CONFIG, METRICS
 
 RESULTS = REPO / "bench" / "results" / "soak.jsonl"
 
 
 def memory_trend(run_dir: Path) -> dict[str, Any]:
-    records = read_records(run_dir / "metrics.jsonl")
+    records = read_records(run_dir / METRICS)
     points = [(r["time_s"], r["memory/host_rss_mib"]) for r in records if "memory/host_rss_mib" in r]
     if len(points) < 20:
         raise ValueError(f"{run_dir}: only {len(points)} memory records; run longer")
@@ -59,8 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.minutes <= 0:
         parser.error(f"--minutes must be positive, got {args.minutes}")
-    if args.report is not None and not (args.report / "metrics.jsonl").is_file():
-        parser.error(f"{args.report}: no metrics.jsonl (not a run directory?)")
+    if args.report is not None and not (args.report / METRICS).is_file():
+        parser.error(f"{args.report}: no {METRICS} (not a run directory?)")
     run_dir = args.report
     if run_dir is None:
         run_dir = REPO / "runs" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             code = proc.wait()
         if code not in (0, 75):
             sys.exit(f"the soak run failed (exit status {code}): its output above says why")
-    saved = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    saved = json.loads((run_dir / CONFIG).read_text()) if (run_dir / CONFIG).exists() else {}
     env = environment()
     env["commit"] = saved.get("commit") or args.commit or env["commit"]
     try:

@@ -25,7 +25,7 @@ import torch
 
 from bench.env import REPO
 from bench.train import RESULTS, parse_args
-from pipeline.cli import ArgumentParser, output_file
+from common.cli import ArgumentParser, output_file
 from pipeline.loaders import dali_installed, resolve_backend
 from pipeline.synthetic import ensure_boxes
 from trainer.build import engine_config
@@ -41,7 +41,7 @@ PRECISION_JSON = {
 
 
 @dataclass
-class Case:
+class SweepRun:
     sweep: str
     label: str
     ranks: int
@@ -50,12 +50,12 @@ class Case:
     repeat: int = 0
 
 
-def interleave_repeats(cases: list[Case], sweeps: tuple[str, ...], repeats: int) -> list[Case]:
+def interleave_repeats(cases: list[SweepRun], sweeps: tuple[str, ...], repeats: int) -> list[SweepRun]:
     """Repeat the cases of ``sweeps``, round after round (1, 2, 1, 2 ranks...), so that drift on a shared
     machine falls on every case alike; the report takes the median per case."""
     once = [c for c in cases if c.sweep not in sweeps]
     repeated = [c for c in cases if c.sweep in sweeps]
-    rounds = [Case(c.sweep, c.label, c.ranks, c.modes, c.options, r) for r in range(repeats) for c in repeated]
+    rounds = [SweepRun(c.sweep, c.label, c.ranks, c.modes, c.options, r) for r in range(repeats) for c in repeated]
     return once + rounds
 
 
@@ -63,15 +63,15 @@ def _batch(micro: int, ranks: int) -> list[str]:
     return ["--global_batch_size", str(micro * ranks), "--base_batch_size", str(micro * ranks)]
 
 
-def cpu_smoke(max_ranks: int) -> tuple[list[str], list[Case]]:
+def cpu_smoke(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
     """The debug model on this machine's cores; scaling runs with one thread per rank."""
     base = ["--config", "debug", "--deepspeed_config", PRECISION_JSON["fp32"]]
     one_thread = ["--cpu_threads", "1", "--num_data_workers", "1"]
     rounds = ["--rounds", "3"]  # the engine and the plain loop in turn: the ratio sees no drift between them
-    cases = [Case("baseline", "micro 8", 1, ["io", "synthetic", "full", "plain"], _batch(8, 1) + rounds)]
-    cases += [Case("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (2, 4, 8, 16)]
+    cases = [SweepRun("baseline", "micro 8", 1, ["io", "synthetic", "full", "plain"], _batch(8, 1) + rounds)]
+    cases += [SweepRun("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (2, 4, 8, 16)]
     cases += [
-        Case(
+        SweepRun(
             "precision",
             "bf16",
             1,
@@ -84,10 +84,10 @@ def cpu_smoke(max_ranks: int) -> tuple[list[str], list[Case]]:
     ranks = [n for n in (1, 2, 4, 8) if n <= max_ranks]
     # The plain loop runs too: DDP overlaps its all-reduce with backward, ZeRO stage 0 does not.
     cases += [
-        Case("weak", f"{n} rank(s), micro 16", n, ["synthetic", "plain"], _batch(16, n) + one_thread) for n in ranks
+        SweepRun("weak", f"{n} rank(s), micro 16", n, ["synthetic", "plain"], _batch(16, n) + one_thread) for n in ranks
     ]
     cases += [
-        Case(
+        SweepRun(
             "strong",
             f"{n} rank(s), global 32",
             n,
@@ -99,7 +99,7 @@ def cpu_smoke(max_ranks: int) -> tuple[list[str], list[Case]]:
     return base, cases
 
 
-def gpu(max_ranks: int) -> tuple[list[str], list[Case]]:
+def gpu(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
     """The reference model at 64^3 on GPUs: batch 64 per GPU, fp16 unless the case says otherwise."""
     base = [
         "--config",
@@ -117,10 +117,12 @@ def gpu(max_ranks: int) -> tuple[list[str], list[Case]]:
         "--Nsamples_val",
         "256",
     ]
-    cases = [Case("baseline", "micro 64", 1, ["io", "synthetic", "full", "plain"], _batch(64, 1) + ["--rounds", "3"])]
-    cases += [Case("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (16, 32, 64, 128)]
+    cases = [
+        SweepRun("baseline", "micro 64", 1, ["io", "synthetic", "full", "plain"], _batch(64, 1) + ["--rounds", "3"])
+    ]
+    cases += [SweepRun("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (16, 32, 64, 128)]
     cases += [
-        Case(
+        SweepRun(
             "precision",
             p,
             1,
@@ -130,9 +132,11 @@ def gpu(max_ranks: int) -> tuple[list[str], list[Case]]:
         for p in ("fp32", "bf16")
     ]
     ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
-    cases += [Case("weak", f"{n} rank(s), micro 64", n, ["synthetic", "full", "plain"], _batch(64, n)) for n in ranks]
     cases += [
-        Case(
+        SweepRun("weak", f"{n} rank(s), micro 64", n, ["synthetic", "full", "plain"], _batch(64, n)) for n in ranks
+    ]
+    cases += [
+        SweepRun(
             "strong",
             f"{n} rank(s), global 512",
             n,
@@ -178,15 +182,17 @@ TRIED_LAST = {
 HEADLINE = ["--channels_last", "true", "--cudnn_benchmark", "true"]
 
 
-def gpu_speed(max_ranks: int) -> tuple[list[str], list[Case]]:
+def gpu_speed(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
     """One GPU, the reference model at 64^3, batch 64: the headline (sweep "headline"), then fp16 and bf16 with each
     fast path off and on (sweep "speed")."""
     base, _ = gpu(max_ranks)
     every = [option for switch in FAST_PATHS.values() for option in switch]
 
-    def case(precision: str, what: str, switches: list[str], sweep: str = "speed", modes=("synthetic", "full")) -> Case:
+    def case(
+        precision: str, what: str, switches: list[str], sweep: str = "speed", modes=("synthetic", "full")
+    ) -> SweepRun:
         common = _batch(64, 1) + ["--deepspeed_config", PRECISION_JSON[precision], "--warmup", "10"] + PLAIN_PATH
-        return Case(sweep, f"{precision} {what}", 1, list(modes), common + switches)
+        return SweepRun(sweep, f"{precision} {what}", 1, list(modes), common + switches)
 
     headline = [
         case(
@@ -216,14 +222,14 @@ ZERO2_SETTINGS = {
 }
 
 
-def gpu_comm(max_ranks: int) -> tuple[list[str], list[Case]]:
+def gpu_comm(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
     """Weak scaling with ZeRO stage 0 (all-reduce after backward), 1 and 2 (overlapped reduction); then, at the
     most ranks, ZeRO 2's bucket sizes and overlap against ds_fp16_zero2.json's own (5e7, overlapped)."""
     base, _ = gpu(max_ranks)
     ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
     configs = {0: "ds_configs/ds_fp16.json", 1: "ds_configs/ds_fp16_zero1.json", 2: "ds_configs/ds_fp16_zero2.json"}
     cases = [
-        Case(
+        SweepRun(
             f"weak-zero{stage}",
             f"{n} rank(s), micro 64, ZeRO {stage}",
             n,
@@ -237,7 +243,7 @@ def gpu_comm(max_ranks: int) -> tuple[list[str], list[Case]]:
     if n > 1:
         zero2 = _batch(64, n) + ["--deepspeed_config", configs[2], "--deepspeed_overrides"]
         cases += [
-            Case(
+            SweepRun(
                 "zero2-settings",
                 f"{n} rank(s), micro 64, ZeRO 2, {name}",
                 n,
@@ -252,7 +258,7 @@ def gpu_comm(max_ranks: int) -> tuple[list[str], list[Case]]:
 PRESETS = {"cpu-smoke": cpu_smoke, "gpu": gpu, "gpu-speed": gpu_speed, "gpu-comm": gpu_comm}
 
 
-def command(case: Case, launcher: str, ranks_per_node: int) -> list[str]:
+def command(case: SweepRun, launcher: str, ranks_per_node: int) -> list[str]:
     if case.ranks == 1 and launcher != "srun":
         return [sys.executable, "-m", "bench.train"]
     if launcher == "srun":
@@ -285,7 +291,7 @@ def merge_overrides(options: list[str]) -> list[str]:
     return rest + (["--deepspeed_overrides", json.dumps(merged)] if found else [])
 
 
-def train_options(base: list[str], case: Case, args: argparse.Namespace, run_id: str) -> list[str]:
+def train_options(base: list[str], case: SweepRun, args: argparse.Namespace, run_id: str) -> list[str]:
     """The options of ``python -m bench.train`` for one case of a sweep."""
     # The case's own options override the sweep's (more warm-up to compile, say); the user's override both.
     return merge_overrides(
@@ -313,7 +319,7 @@ def train_options(base: list[str], case: Case, args: argparse.Namespace, run_id:
     )
 
 
-def check_cases(base: list[str], cases: list[Case], args: argparse.Namespace, device_type: str) -> list[tuple]:
+def check_cases(base: list[str], cases: list[SweepRun], args: argparse.Namespace, device_type: str) -> list[tuple]:
     """Every case makes a valid run on ``device_type`` (its options, its batches over its ranks, its DeepSpeed
     JSON, DALI where its crops need it), checked before the first one starts, so that a typo costs seconds, not an
     allocation.

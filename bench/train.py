@@ -32,9 +32,19 @@ import torch.distributed as torch_dist
 
 from bench.env import REPO, append_records, environment
 from bench.flops import model_flops, utilization
-from pipeline.cli import output_file
-from trainer.build import Data, Engine, build_data, build_engine, build_loss, build_model, prepare_data
-from trainer.config import Config, build_config, config_parser, load_named, parse_config_options
+from common.cli import output_file
+from model import UNetSpec
+from trainer.build import (
+    Data,
+    EngineSetup,
+    build_data,
+    build_engine,
+    build_loss,
+    build_model,
+    prepare_data,
+    run_facts,
+)
+from trainer.config import Config, build_config, config_parser, load_named, parse_config_options, to_dict
 from trainer.dist import Device, DistEnv, init_distributed
 from trainer.engine import precision_name
 from trainer.errors import USER_ERRORS
@@ -108,28 +118,28 @@ def timed(step: Callable[[Marks], float], warmup: int, steps: int, cuda: bool) -
     return {"wall_s": wall, "data_wait_pct": 100 * wait_s / wall, "marks": marks}
 
 
-class Case:
+class TrainBench:
     """One process's benchmark: the run's data and engine, built as the trainer builds them, and the four ways to
     step them."""
 
-    def __init__(self, cfg: Config, dist: DistEnv, device: Device, data: Data, built: Engine) -> None:
-        self.cfg, self.dist, self.device, self.built = cfg, dist, device, built
+    def __init__(self, cfg: Config, dist: DistEnv, device: Device, data: Data, setup: EngineSetup) -> None:
+        self.cfg, self.dist, self.device, self.setup = cfg, dist, device, setup
         self.cuda = device.type == "cuda"
-        self.engine = engine = built.engine
+        self.engine = engine = setup.engine
         self.accumulation = engine.gradient_accumulation_steps()
         self.micro = engine.train_micro_batch_size_per_gpu()
         self.guard = StepGuard(cfg, engine.device, stop=None)  # the trainer's agreement on each step, if it makes one
         self.loss_fn = build_loss(cfg)
         # the training loader only: the benchmark validates nothing
         self.train_loader = data.train_loader(
-            dist, self.micro, self.accumulation, built.steps_per_epoch, device, built.dtype
+            dist, self.micro, self.accumulation, setup.steps_per_epoch, device, setup.dtype
         )
         generator = torch.Generator(device=engine.device).manual_seed(cfg.seed + dist.rank)
         shape = (self.micro, cfg.data_size, cfg.data_size, cfg.data_size)
         layout = torch.channels_last_3d if data.settings.channels_last else torch.contiguous_format  # as the pipeline
         self.batch = (
             torch.randn(shape[:1] + (cfg.N_in_channels,) + shape[1:], generator=generator, device=engine.device)
-            .to(built.dtype)
+            .to(setup.dtype)
             .contiguous(memory_format=layout),
             torch.randn(shape[:1] + (cfg.N_out_channels,) + shape[1:], generator=generator, device=engine.device)
             .tanh()
@@ -161,16 +171,16 @@ class Case:
         engine, wait = self.engine, 0.0
         for _ in range(self.accumulation):
             if synthetic:
-                inp, tar = self.batch
+                inputs, targets = self.batch
             else:
-                (inp, tar), waited = self._next_batch()
+                (inputs, targets), waited = self._next_batch()
                 wait += waited
             if marks.steps:
                 marks.mark("start")
             # The training loop's step and checks (one reduction and host sync where the config asks for them);
             # marks at the end of each phase while timing.
-            proceed = self.guard.proceed(inp, tar, lambda: f"step {engine.global_steps}")
-            micro_step(engine, inp, tar, self.loss_fn, proceed, marks.mark if marks.steps else None)
+            where = lambda: f"step {engine.global_steps}"  # noqa: E731
+            micro_step(engine, inputs, targets, self.loss_fn, self.guard, where, marks.mark if marks.steps else None)
         return wait
 
     def plain(self) -> Callable[[Marks], float]:
@@ -181,7 +191,7 @@ class Case:
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.cuda else None
             )
-        params = self.built.ds_config["optimizer"]["params"]
+        params = self.setup.ds_config["optimizer"]["params"]
         optimizer = torch.optim.Adam(
             model.parameters(),
             lr=params["lr"],
@@ -189,17 +199,17 @@ class Case:
             eps=params.get("eps", 1e-8),
             weight_decay=params.get("weight_decay", 0.0),
         )
-        dtype = self.built.dtype
+        dtype = self.setup.dtype
         device_type = self.engine.device.type
         scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
-        inp, tar = self.batch[0].float(), self.batch[1]
+        inputs, targets = self.batch[0].float(), self.batch[1]
 
         def step(marks: Marks) -> float:
             for micro in range(self.accumulation):
                 if marks.steps:
                     marks.mark("start")
                 with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
-                    loss = self.loss_fn(model(inp), tar) / self.accumulation
+                    loss = self.loss_fn(model(inputs), targets) / self.accumulation
                 if marks.steps:
                     marks.mark("forward")
                 scaler.scale(loss).backward()
@@ -302,18 +312,18 @@ def measure(argv: list[str] | None) -> None:
     device = init_distributed(dist, cfg.dist_timeout_s)
     prepare_data(cfg, dist)
     data = build_data(cfg, dist, device)
-    built = build_engine(cfg, dist, device)
-    case = Case(cfg, dist, device, data, built)
+    setup = build_engine(cfg, dist, device)
+    bench = TrainBench(cfg, dist, device, data, setup)
     try:
-        flops = model_flops(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth, cfg.data_size)
+        flops = model_flops(UNetSpec.from_config(to_dict(cfg)), cfg.data_size)
         env = environment()
         hosts: list[Any] = [None] * dist.world_size
         torch_dist.all_gather_object(hosts, env["host"])  # where the ranks ran: one node, or several
-        engine = built.engine
+        engine = setup.engine
         # MFU is over every device the job uses: each GPU, or each node's CPU (shared by its ranks).
         devices = dist.world_size if device.type == "cuda" else dist.world_size // dist.local_world_size
-        precision = precision_name(built.dtype)
-        for mode, result in case.runs(args.modes, args.warmup, args.steps, args.rounds).items():
+        precision = precision_name(setup.dtype)
+        for mode, result in bench.runs(args.modes, args.warmup, args.steps, args.rounds).items():
             record = {
                 "bench": "train",
                 "sweep": args.sweep,
@@ -323,18 +333,11 @@ def measure(argv: list[str] | None) -> None:
                 "mode": mode,
                 "engine": "plain" if mode == "plain" else "deepspeed",
                 "config": args.config,
-                "world_size": dist.world_size,
+                **run_facts(setup, data, dist),
                 "nodes": sorted(set(hosts)),
-                "micro_batch": case.micro,
-                "accumulation": case.accumulation,
-                "global_batch": engine.train_batch_size(),
-                "precision": precision,
                 "crop": cfg.data_size,
                 "unet_width": cfg.unet_width,
                 "unet_depth": cfg.unet_depth,
-                "parameters": built.parameters,
-                "storage": data.settings.storage,
-                "backend": data.settings.backend,
                 "threads_per_rank": torch.get_num_threads(),
                 "fast_paths": {
                     "channels_last": data.settings.channels_last,
@@ -343,8 +346,7 @@ def measure(argv: list[str] | None) -> None:
                     "compile_mode": cfg.compile_mode,
                     "nonfinite_loss": cfg.nonfinite_loss,
                 },
-                "zero_stage": engine.zero_optimization_stage(),
-                "zero": built.ds_config.get("zero_optimization", {}),
+                "zero": setup.ds_config.get("zero_optimization", {}),
                 "optimizer": "Adam" if mode == "plain" else type(engine.basic_optimizer).__name__,  # plain: torch's
                 "warmup_steps": args.warmup,
                 "timed_steps": args.steps,
@@ -368,7 +370,7 @@ def measure(argv: list[str] | None) -> None:
                 )
         torch_dist.barrier()
     finally:
-        case.train_loader.close()
+        bench.train_loader.close()
 
 
 if __name__ == "__main__":

@@ -43,9 +43,9 @@ import torch
 import yaml
 
 from bench.env import REPO, environment, read_records
-from bench.sweep import Case, command
-from pipeline.cli import output_file
-from pipeline.files import write_text_atomically
+from bench.sweep import SweepRun, command
+from common.cli import output_file
+from common.files import write_text_atomically
 from pipeline.loaders import dali_installed, resolve_backend
 from trainer.config import (
     Config,
@@ -278,7 +278,7 @@ class Tuner:
                 ", what was left kept for the final comparison" if reserve else ""
             )
             return
-        cmd = [*command(Case("tune", c.label, self.args.ranks, ["full"]), "deepspeed", self.args.ranks)]
+        cmd = [*command(SweepRun("tune", c.label, self.args.ranks, ["full"]), "deepspeed", self.args.ranks)]
         cmd += self.options(c, round_)
         print(f"[{c.stage}] {c.label} (round {round_ + 1})", flush=True)
         start = time.monotonic()

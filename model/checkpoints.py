@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from pipeline.files import write_text_atomically
+from common.files import write_text_atomically
 
 RUN_CONFIG = "config.json"
 CHECKPOINT_DIR = "checkpoints"

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from common.cli import ArgumentParser, existing_dir, output_file
+from common.files import written_atomically
 from model.checkpoints import (
     CHECKPOINT_DIR,
     LATEST,
@@ -27,9 +29,7 @@ from model.checkpoints import (
     latest_tag,
     newest_intact,
 )
-from model.unet import UNet
-from pipeline.cli import ArgumentParser, existing_dir, output_file
-from pipeline.files import written_atomically
+from model.unet import UNet, UNetSpec
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +48,12 @@ class EmulatorSpec:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> EmulatorSpec:
-        return cls(
-            config["N_in_channels"],
-            config["N_out_channels"],
-            config["unet_width"],
-            config["unet_depth"],
-            config["data_size"],
-            config["input_vectors"],
-            config["target_vectors"],
-        )
+        unet = UNetSpec.from_config(config)
+        return cls(*astuple(unet), config["data_size"], config["input_vectors"], config["target_vectors"])
+
+    @property
+    def unet(self) -> UNetSpec:
+        return UNetSpec(self.in_channels, self.out_channels, self.width, self.depth)
 
 
 @dataclass
@@ -85,7 +82,7 @@ def _load(path: Path) -> Any:
 
 
 def _build(spec: EmulatorSpec, state: dict[str, torch.Tensor], source: str) -> Emulator:
-    model = UNet(spec.in_channels, spec.out_channels, spec.width, spec.depth)
+    model = spec.unet.build()
     try:
         model.load_state_dict({k: v.float() for k, v in state.items()})
     except RuntimeError as err:

@@ -17,18 +17,19 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
 import torch
 
+from common.cli import ArgumentParser, existing_dir, existing_file, output_dir
 from model.emulator import Emulator, from_run_dir, from_weights, latest_run
 from model.figures import phases, slices, spectra
 from model.metrics import Normalization, compare, spectra_table
-from model.tiling import accumulate
-from pipeline.cli import ArgumentParser, existing_dir, existing_file, output_dir
+from model.tiling import accumulate, predict_box
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, NBODY_DATASET
-from pipeline.volumes import DataError, _open_hdf5, _open_npy
+from pipeline.volumes import DataError, open_hdf5, open_npy
 
 log = logging.getLogger("predict")
 
@@ -36,8 +37,8 @@ log = logging.getLogger("predict")
 def _open(path: Path, dataset: str, layout: str) -> tuple[object, dict]:
     """A (C, L, L, L) volume from an HDF5 dataset or a .npy file, and the file's attributes."""
     if path.suffix == ".npy":
-        return _open_npy(path, layout), {}
-    volume = _open_hdf5(path, dataset)
+        return open_npy(path, layout), {}
+    volume = open_hdf5(path, dataset)
     return volume, dict(volume.file.attrs)
 
 
@@ -101,6 +102,25 @@ def predict_file(
     acc_path.unlink()
     wsum_path.unlink()
     return out
+
+
+def compare_box(
+    model: torch.nn.Module,
+    nbody: Any,
+    hydro: Any,
+    norm: Normalization,
+    crop: int,
+    batch: int,
+    device: torch.device,
+    side: int | None = None,
+) -> dict:
+    """``compare``'s metrics of the model's prediction of a box against its truth: the whole box, or the fixed
+    ``side``^3 sub-volume at its origin taken as periodic, tiled with a quarter-crop overlap as ``predict_file``
+    tiles by default (the trainer's science metrics)."""
+    side = side or nbody.shape[1]
+    region = np.s_[:, :side, :side, :side]
+    pred = predict_box(model, np.asarray(nbody[region]), hydro.shape[0], crop, crop // 4, batch, device)
+    return compare(pred, np.asarray(hydro[region], dtype=np.float32), norm)
 
 
 def evaluate_file(prediction: Path, truth: Path, inputs: Path, out_dir: Path, layout: str = "CDHW") -> dict:

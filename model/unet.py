@@ -10,6 +10,10 @@ Channels per level are ``min(width * 2^i, 8 * width)``: with the defaults (width
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +21,25 @@ from torch import nn
 
 def level_channels(width: int, depth: int) -> list[int]:
     return [min(width * 2**i, 8 * width) for i in range(depth)]
+
+
+@dataclass(frozen=True)
+class UNetSpec:
+    """The network's architecture: all it takes to build one (``UNet(*spec)`` is ``spec.build()``)."""
+
+    in_channels: int
+    out_channels: int
+    width: int
+    depth: int
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> UNetSpec:
+        """From a run's config (its keys are the reference's: N_in_channels, unet_width...)."""
+        return cls(config["N_in_channels"], config["N_out_channels"], config["unet_width"], config["unet_depth"])
+
+    def build(self) -> UNet:
+        """The network, with PyTorch's initialization."""
+        return UNet(self.in_channels, self.out_channels, self.width, self.depth)
 
 
 class UNet(nn.Module):

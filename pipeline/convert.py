@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.cli import ArgumentParser, existing_file, output_file
-from pipeline.files import written_atomically
+from common.cli import ArgumentParser, existing_file, output_file
+from common.files import written_atomically
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
 
 

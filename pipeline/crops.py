@@ -1,11 +1,10 @@
 """Batches of crops cut on CPU threads, ahead of the consumer: the source of both backends.
 
-Measured on 2 cores at 64^3 (9 channels): one numpy copy that crops, transposes, flips and negates
-at once takes about 8 ms per sample, while DALI's CPU operators needed several passes for the same
-result (78 samples/s on 2 threads, against about 200 here), and DALI's worker processes added a copy
-through shared memory. So the CPU cuts crops here, on threads (numpy and h5py release the GIL for
-their copies), and rotates them in the same copy when training runs on the CPU; when it runs on a
-GPU, it leaves the rotation to the device and returns its arguments with the batch.
+On a CPU one strided numpy copy cuts, transposes, flips and negates a crop at once, where DALI's CPU operators
+take several passes and its worker processes add a copy through shared memory (measured: docs/data.md). So the CPU
+cuts crops here, on threads (numpy and h5py release the GIL for their copies), and rotates them in the same copy
+when training runs on the CPU; when it runs on a GPU, it leaves the rotation to the device and returns its
+arguments with the batch.
 """
 
 from __future__ import annotations

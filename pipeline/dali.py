@@ -18,8 +18,8 @@ the crops come from is the storage mode's business (the ``*Crops`` sources below
   same function cuts volumes in host memory when the graph runs on the CPU.
 - ``NumpyCrops`` (storage ``lazy``, .npy files): DALI's numpy reader reads each crop as a region of
   interest of the files, on the CPU (which memory-maps the file and reads only those pages); the crops are then
-  uploaded. DALI 2.4's GPU numpy reader (GPUDirect Storage) reads each sample's whole file before it cuts the region
-  of interest: per sample, the whole volume, which rules it out for crops of one large volume.
+  uploaded. DALI's GPU numpy reader (GPUDirect Storage) reads each sample's whole file before it cuts the region of
+  interest: per sample, the whole volume, which rules it out for crops of one large volume (docs/data.md).
 - ``BatcherCrops`` (storage ``lazy``, HDF5 files): crops read by the ``CropBatcher``'s threads with h5py
   (DALI has no HDF5 reader), handed over as a batch; on the CPU the batcher rotates them as it cuts.
 

@@ -29,8 +29,8 @@ from typing import Any
 import h5py
 import numpy as np
 
-from pipeline.cli import ArgumentParser, output_dir
-from pipeline.files import written_atomically
+from common.cli import ArgumentParser, output_dir
+from common.files import written_atomically
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, LOG_DENSITY_SCALE, NBODY_CHANNELS, NBODY_DATASET
 from pipeline.volumes import DataError
 

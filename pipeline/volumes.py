@@ -51,7 +51,8 @@ def _require_file(path: Path) -> None:
         raise DataError(f"{path}: no such data file")
 
 
-def _open_hdf5(path: Path, name: str) -> h5py.Dataset:
+def open_hdf5(path: Path, name: str) -> h5py.Dataset:
+    """A dataset of an HDF5 file, opened read-only (``dataset.file`` closes it); DataError if it is not there."""
     _require_file(path)
     try:
         f = h5py.File(path, "r")
@@ -62,7 +63,8 @@ def _open_hdf5(path: Path, name: str) -> h5py.Dataset:
     return f[name]
 
 
-def _open_npy(path: Path, layout: NpyLayout) -> np.ndarray:
+def open_npy(path: Path, layout: NpyLayout) -> np.ndarray:
+    """A .npy file memory-mapped, as (C, L, L, L) when ``layout`` is DHWC and the array is 4-D."""
     _require_file(path)
     try:
         array = np.load(path, mmap_mode="r")
@@ -73,6 +75,16 @@ def _open_npy(path: Path, layout: NpyLayout) -> np.ndarray:
     if layout == "DHWC" and array.ndim == 4:
         return array.transpose(3, 0, 1, 2)  # a strided CDHW view: no copy
     return array
+
+
+def target_attributes(files: VolumeFiles) -> dict[str, Any]:
+    """The attributes of the targets' HDF5 file, the normalization it declares included, read and closed again
+    (.npy files carry none)."""
+    if files.format != "hdf5":
+        return {}
+    target = open_hdf5(files.targets, HYDRO_DATASET)
+    with target.file as f:
+        return dict(f.attrs)
 
 
 def _check(array: Any, path: Path, what: str, channels: int | None, layout: str | None) -> None:
@@ -113,11 +125,11 @@ class VolumePair:
     @classmethod
     def open(cls, files: VolumeFiles, in_channels: int | None, out_channels: int | None, crop_size: int) -> VolumePair:
         if files.format == "hdf5":
-            nbody, hydro = _open_hdf5(files.inputs, NBODY_DATASET), _open_hdf5(files.targets, HYDRO_DATASET)
+            nbody, hydro = open_hdf5(files.inputs, NBODY_DATASET), open_hdf5(files.targets, HYDRO_DATASET)
             names = (f"dataset '{NBODY_DATASET}'", f"dataset '{HYDRO_DATASET}'")
             layout = None
         else:
-            nbody, hydro = _open_npy(files.inputs, files.npy_layout), _open_npy(files.targets, files.npy_layout)
+            nbody, hydro = open_npy(files.inputs, files.npy_layout), open_npy(files.targets, files.npy_layout)
             names = ("the input array", "the target array")
             layout = files.npy_layout
         _check(nbody, files.inputs, names[0], in_channels, layout)

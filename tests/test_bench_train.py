@@ -13,7 +13,7 @@ from bench.report import engine_overhead, newest_runs, scaling
 from bench.report import main as report_main
 from bench.sweep import PRESETS, check_cases, write_synthetic_data
 from bench.train import Marks, percentiles, timed
-from model.unet import level_channels
+from model.unet import UNetSpec, level_channels
 from pipeline.synthetic import SyntheticSpec
 from tests.conftest import REPO, TINY_ARGS, single_process_env
 from trainer.config import Config
@@ -41,7 +41,7 @@ def analytic_unet_flops(cin: int, cout: int, width: int, depth: int, crop: int) 
 
 @pytest.mark.parametrize("width, depth, crop", [(4, 3, 16), (8, 4, 32), (64, 6, 64)])
 def test_flops_match_an_independent_count(width, depth, crop):
-    counted = model_flops(4, 5, width, depth, crop)
+    counted = model_flops(UNetSpec(4, 5, width, depth), crop)
     forward, training = analytic_unet_flops(4, 5, width, depth, crop)
     assert counted["forward_flops_per_sample"] == forward
     assert counted["train_flops_per_sample"] == training
@@ -173,7 +173,7 @@ def test_a_benchmark_run_writes_complete_records(tmp_path):
         assert REQUIRED <= set(r), REQUIRED - set(r)
         assert r["samples_per_s"] > 0 and r["step_ms_p50"] <= r["step_ms_p90"] <= r["step_ms_p99"]
         assert (r["world_size"], r["micro_batch"], r["global_batch"], r["timed_steps"], r["rounds"]) == (1, 8, 8, 3, 2)
-        assert r["train_flops_per_sample"] == model_flops(4, 5, 4, 4, 16)["train_flops_per_sample"]
+        assert r["train_flops_per_sample"] == model_flops(UNetSpec(4, 5, 4, 4), 16)["train_flops_per_sample"]
         assert (r["optimizer"], r["zero_stage"]) == ("Adam", 0)  # torch's Adam on a CPU, under DeepSpeed
     for r in records[1:]:
         assert {

@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import REPO, run_train, single_process_env, tiny_args
+from tests.conftest import REPO, run_train, shared_tiny_args, single_process_env
 
 DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
@@ -17,11 +17,6 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300)
-
-
-def _args(tmp_path, run_dir, *extra):
-    data = tmp_path.parent / "dist-data"
-    return tiny_args(data / "train.h5", data / "val.h5", run_dir, *extra)
 
 
 def _summary(run_dir):
@@ -35,7 +30,7 @@ def _summary(run_dir):
 )
 def test_two_ranks_through_a_launcher(tmp_path, launcher):
     run = tmp_path / "run"
-    result = _run([*launcher, "ds_train.py", *_args(tmp_path, run, "--num_epochs", "2")])
+    result = _run([*launcher, "ds_train.py", *shared_tiny_args(tmp_path, run, "--num_epochs", "2", data="dist-data")])
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _summary(run)
     assert (summary["world_size"], summary["launched_by"]) == (2, "launcher")
@@ -66,10 +61,12 @@ def test_zero_stages_train_like_stage_0_and_resume_on_as_many_ranks(tmp_path):
     one clear line (DeepSpeed cannot split its optimizer states anew), and the checkpoint is left as it was."""
     runs = {stage: tmp_path / f"zero{stage}" for stage in (0, 1, 2)}
     zero_json = {1: "ds_configs/ds_fp16_zero1.json", 2: "ds_configs/ds_fp16_zero2.json"}
-    _launch_two_ranks(_args(tmp_path, runs[0], "--num_epochs", "3"))
-    _launch_two_ranks(_args(tmp_path, runs[1], "--num_epochs", "3", "--deepspeed_config", zero_json[1]))
+    _launch_two_ranks(shared_tiny_args(tmp_path, runs[0], "--num_epochs", "3", data="dist-data"))
+    _launch_two_ranks(
+        shared_tiny_args(tmp_path, runs[1], "--num_epochs", "3", "--deepspeed_config", zero_json[1], data="dist-data")
+    )
     stopped = ["--num_epochs", "3", "--deepspeed_config", zero_json[2], "--stop_after_epoch", "2"]
-    _launch_two_ranks(_args(tmp_path, runs[2], *stopped))
+    _launch_two_ranks(shared_tiny_args(tmp_path, runs[2], *stopped, data="dist-data"))
     checkpoints = _files(runs[2] / "checkpoints")
     one_rank = run_train(["--run_dir", str(runs[2]), "--resume"])
     assert one_rank.returncode != 0
@@ -88,7 +85,13 @@ def test_zero_stages_train_like_stage_0_and_resume_on_as_many_ranks(tmp_path):
 def test_a_dead_rank_ends_the_job_promptly(tmp_path):
     run = tmp_path / "run"
     launcher = subprocess.Popen(
-        [*DEEPSPEED, "--num_gpus", "2", "ds_train.py", *_args(tmp_path, run, "--num_epochs", "200")],
+        [
+            *DEEPSPEED,
+            "--num_gpus",
+            "2",
+            "ds_train.py",
+            *shared_tiny_args(tmp_path, run, "--num_epochs", "200", data="dist-data"),
+        ],
         cwd=REPO,
         env=single_process_env(),
         stdout=subprocess.DEVNULL,
@@ -162,7 +165,7 @@ def _sbatch(env, tmp_path, extra_env, *args, nodes=1, tasks_per_node=2):
 
 def _job_args(tmp_path, epochs):
     """The tiny run's arguments without --run_dir: the batch script names the run directory."""
-    args = _args(tmp_path, "unused", "--num_epochs", str(epochs))
+    args = shared_tiny_args(tmp_path, "unused", "--num_epochs", str(epochs), data="dist-data")
     i = args.index("--run_dir")
     return args[:i] + args[i + 2 :]
 
@@ -268,7 +271,13 @@ def test_a_save_failing_on_one_rank_ends_every_rank_at_once(tmp_path):
     ignored: writes fail). Rank 1, which would wait at DeepSpeed's barrier until the collective timeout, ends with
     it: one line each, long before dist_timeout_s, the first checkpoint and latest untouched."""
     run = tmp_path / "run"
-    first = _run([*TORCHRUN, "ds_train.py", *_args(tmp_path, run, "--num_epochs", "2", "--stop_after_epoch", "1")])
+    first = _run(
+        [
+            *TORCHRUN,
+            "ds_train.py",
+            *shared_tiny_args(tmp_path, run, "--num_epochs", "2", "--stop_after_epoch", "1", data="dist-data"),
+        ]
+    )
     assert first.returncode == 0, first.stderr[-3000:]
     largest = max(p.stat().st_size for p in (run / "checkpoints" / "step00000016").iterdir())
     rank0_limited = (

@@ -5,13 +5,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import h5py
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, TINY_ARGS, run_train, single_process_env, tiny_args
+from tests.conftest import REPO, TINY_ARGS, logged, run_train, single_process_env, start_train, tiny_args, wait_until
 from trainer.errors import HostfileError
 from trainer.hostfile import parse_hostfile
 
@@ -172,22 +171,12 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(data, tmp_path):
     # A model big enough (25 M parameters, about 300 MB of checkpoint) that a save takes a while.
     run = tmp_path / "run"
     args = _args(data, run, "--unet_width", "64", "--Nsamples", "16", "--Nsamples_val", "8", "--num_epochs", "3")
-    proc = subprocess.Popen(
-        [sys.executable, "ds_train.py", *args],
-        cwd=REPO,
-        env=TRAIN_ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start_train(args)
     ckpt = run / "checkpoints"
     try:
-        deadline = time.time() + 240
-        while not (ckpt / "step00000002").is_dir():
-            assert proc.poll() is None and time.time() < deadline, "the first checkpoint never appeared"
-            time.sleep(0.01)
-        while not any(ckpt.glob(".step00000004.partial")):
-            assert proc.poll() is None and time.time() < deadline, "the second save never started"
-            time.sleep(0.002)
+        wait_until(proc, (ckpt / "step00000002").is_dir, 240, "the first checkpoint never appeared")
+        saving = lambda: any(ckpt.glob(".step00000004.partial"))  # noqa: E731
+        wait_until(proc, saving, 240, "the second save never started", poll=0.002)
         proc.send_signal(signal.SIGKILL)  # in the middle of writing the second checkpoint
         proc.wait(timeout=30)
     finally:
@@ -312,18 +301,8 @@ def test_a_save_that_fails_part_way_loses_nothing_and_resume_continues_exactly(d
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
 def test_stop_signal_checkpoints_exits_75_and_resume_continues_exactly(data, finished, tmp_path, sig):
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "ds_train.py", *_args(data, run, "--num_epochs", "2")],
-        cwd=REPO,
-        env=TRAIN_ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + 120
-    while not (run / "metrics.jsonl").exists() or '"step": 20,' not in (run / "metrics.jsonl").read_text():
-        assert proc.poll() is None and time.time() < deadline
-        time.sleep(0.01)
+    proc = start_train(_args(data, run, "--num_epochs", "2"), stderr=subprocess.PIPE)
+    wait_until(proc, lambda: logged(run, '"step": 20,'), 120, "step 20 was never logged")
     proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 75, stderr[-2000:]
@@ -407,18 +386,8 @@ def test_every_batch_data_check_catches_data_that_changes_under_a_run(data, tmp_
         "--num_epochs",
         "50",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "ds_train.py", *args],
-        cwd=REPO,
-        env=TRAIN_ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.time() + 120
-    while not (run / "metrics.jsonl").exists() or "loss/train" not in (run / "metrics.jsonl").read_text():
-        assert proc.poll() is None and time.time() < deadline, "training did not start"
-        time.sleep(0.05)
+    proc = start_train(args, stderr=subprocess.PIPE)
+    wait_until(proc, lambda: logged(run, "loss/train"), 120, "training did not start", poll=0.05)
     volume = np.load(inputs, mmap_mode="r+")
     volume[...] = np.nan
     volume.flush()

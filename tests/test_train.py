@@ -6,12 +6,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import run_train, tiny_args
-
-
-def _args(tmp_path, run_dir, *extra):
-    data = tmp_path.parent / "tiny-data"  # shared by the runs of a test module
-    return tiny_args(data / "train.h5", data / "val.h5", run_dir, *extra)
+from tests.conftest import run_train, shared_tiny_args
 
 
 def _ok(result):
@@ -23,7 +18,7 @@ def _ok(result):
 def straight(tmp_path_factory):
     """Three epochs in one go (the reference for the resume test)."""
     root = tmp_path_factory.mktemp("straight")
-    _ok(run_train(_args(root, root / "run", "--num_epochs", "3")))
+    _ok(run_train(shared_tiny_args(root, root / "run", "--num_epochs", "3")))
     return root / "run"
 
 
@@ -76,7 +71,7 @@ def test_training_learns_and_leaves_a_complete_run_dir(straight):
 def test_resume_continues_exactly(tmp_path, straight):
     run = tmp_path / "run"
     first = json.loads(
-        _ok(run_train(_args(tmp_path, run, "--num_epochs", "3", "--stop_after_epoch", "2")))
+        _ok(run_train(shared_tiny_args(tmp_path, run, "--num_epochs", "3", "--stop_after_epoch", "2")))
         and (run / "summary.json").read_text()
     )
     assert (first["epochs"], first["finished"]) == (2, False)
@@ -92,7 +87,7 @@ def test_resume_continues_exactly(tmp_path, straight):
 def test_backends_and_storage_modes_train_identically(tmp_path, straight):
     # Same draws, same samples, same model: a run whose DALI graph slices and rotates its crops ends bit for bit where
     # the default on a CPU (the torch backend's batcher) does.
-    _ok(run_train(_args(tmp_path, tmp_path / "run", "--num_epochs", "3", "--backend", "dali")))
+    _ok(run_train(shared_tiny_args(tmp_path, tmp_path / "run", "--num_epochs", "3", "--backend", "dali")))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     expected = json.loads((straight / "summary.json").read_text())
     assert (summary["backend"], summary["storage"], expected["backend"], expected["storage"]) == (
@@ -106,7 +101,7 @@ def test_backends_and_storage_modes_train_identically(tmp_path, straight):
 
 def test_a_new_run_never_reuses_a_run_dir_with_checkpoints(straight, tmp_path):
     before = sorted(p.stat().st_mtime_ns for p in (straight / "checkpoints").rglob("*"))
-    result = run_train(_args(tmp_path, straight, "--num_epochs", "1"))
+    result = run_train(shared_tiny_args(tmp_path, straight, "--num_epochs", "1"))
     assert result.returncode == 2
     assert (
         "holds an earlier run (config.json, metrics.jsonl, summary.json, train.log, tensorboard, checkpoints): --resume"
@@ -127,7 +122,7 @@ def test_a_new_run_never_reuses_a_run_dir_with_checkpoints(straight, tmp_path):
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, extra, message):
-    result = run_train(_args(tmp_path, tmp_path / "run", *extra))
+    result = run_train(shared_tiny_args(tmp_path, tmp_path / "run", *extra))
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
@@ -152,7 +147,7 @@ def test_the_dali_backend_without_dali_is_one_clear_line(tmp_path, monkeypatch):
     (tmp_path / "no-dali").mkdir()
     (tmp_path / "no-dali" / "sitecustomize.py").write_text(HIDE_DALI)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "no-dali"))
-    result = run_train(_args(tmp_path, tmp_path / "run", "--backend", "dali"))
+    result = run_train(shared_tiny_args(tmp_path, tmp_path / "run", "--backend", "dali"))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
     message = "backend: dali needs NVIDIA DALI, not installed here (requirements.txt); or set backend: torch"
@@ -169,7 +164,9 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
 def test_bf16_on_cpu(tmp_path):
     _ok(
         run_train(
-            _args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--deepspeed_config", "ds_configs/ds_bf16.json")
+            shared_tiny_args(
+                tmp_path, tmp_path / "run", "--num_epochs", "1", "--deepspeed_config", "ds_configs/ds_bf16.json"
+            )
         )
     )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -178,7 +175,7 @@ def test_bf16_on_cpu(tmp_path):
 
 
 def test_profile_records_a_trace_of_the_step_phases(tmp_path):
-    _ok(run_train(_args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--profile")))
+    _ok(run_train(shared_tiny_args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--profile")))
     traces = list((tmp_path / "run" / "profile").glob("rank0*.pt.trace.json*"))
     assert len(traces) == 1, sorted(p.name for p in (tmp_path / "run").rglob("*"))
     events = json.loads(traces[0].read_text())["traceEvents"]
@@ -199,6 +196,8 @@ def test_profile_records_a_trace_of_the_step_phases(tmp_path):
 
 
 def test_profile_says_when_the_run_is_too_short_for_a_trace(tmp_path):
-    result = _ok(run_train(_args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--Nsamples", "8", "--profile")))
+    result = _ok(
+        run_train(shared_tiny_args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--Nsamples", "8", "--profile"))
+    )
     assert "--profile: the run ended before the recorded micro-steps began: no trace was written" in result.stderr
     assert not list((tmp_path / "run" / "profile").glob("rank0*"))

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
-import h5py
 import torch
 import torch.distributed as torch_dist
 
-from model import Loss, UNet
+from model import Loss, UNet, UNetSpec
 from model.metrics import Normalization
 from pipeline.loaders import (
     LoaderSettings,
@@ -32,13 +31,14 @@ from pipeline.loaders import (
 )
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import ensure_boxes
-from pipeline.volumes import VolumeFiles, VolumePair
-from trainer.config import Config, channels_last_on
+from pipeline.volumes import VolumeFiles, VolumePair, target_attributes
+from trainer.config import Config, channels_last_on, to_dict
 from trainer.dist import Device, DistEnv
 from trainer.engine import (
     TORCH_FUSED_ADAM,
     load_ds_template,
     plan_batches,
+    precision_name,
     resolve_ds_config,
     skip_single_rank_reduction,
     train_dtype,
@@ -83,10 +83,7 @@ def normalization(cfg: Config, split: str) -> Normalization:
     declaring another is warned about), else what the file declares (our synthetic boxes do; the reference's files
     and .npy files do not: then unknown)."""
     files = volume_files(cfg, split)
-    declared = None
-    if files.format == "hdf5":
-        with h5py.File(files.targets, "r") as f:
-            declared = Normalization.from_attrs(f.attrs).temperature_log_range
+    declared = Normalization.from_attrs(target_attributes(files)).temperature_log_range
     if cfg.temperature_log_range is None:
         return Normalization(declared)
     if declared is not None and declared != cfg.temperature_log_range:
@@ -241,7 +238,7 @@ def engine_config(cfg: Config, world_size: int, device_type: str) -> dict[str, A
 def build_model(cfg: Config) -> UNet:
     """The config's U-Net, seeded and initialized as the reference does, with the config's fast paths."""
     torch.manual_seed(cfg.seed)
-    model = UNet(cfg.N_in_channels, cfg.N_out_channels, cfg.unet_width, cfg.unet_depth)
+    model = UNetSpec.from_config(to_dict(cfg)).build()
     model.init_weights(cfg.weight_init.conv_scale, cfg.weight_init.conv_bias)
     if cfg.pad_last_layer:
         model.pad_last_layer(8)
@@ -249,7 +246,7 @@ def build_model(cfg: Config) -> UNet:
 
 
 @dataclass
-class Engine:
+class EngineSetup:
     """DeepSpeed's engine and what was decided with it."""
 
     engine: Any
@@ -260,7 +257,7 @@ class Engine:
     steps_per_epoch: int
 
 
-def build_engine(cfg: Config, dist: DistEnv, device: Device) -> Engine:
+def build_engine(cfg: Config, dist: DistEnv, device: Device) -> EngineSetup:
     """The model (seeded, initialized as the reference does), DeepSpeed's engine over it with our schedule, the
     single-rank reduction skipped, compiled if asked; and the process's threads and cuDNN set for the device."""
     if device.type == "cpu":
@@ -313,4 +310,20 @@ def build_engine(cfg: Config, dist: DistEnv, device: Device) -> Engine:
     elif cfg.compile_mode != "default":
         log.warning("compile_mode has no effect without compile: true")
     parameters = sum(p.numel() for p in model.parameters())
-    return Engine(engine, schedule, ds_config, train_dtype(engine), parameters, steps_per_epoch)
+    return EngineSetup(engine, schedule, ds_config, train_dtype(engine), parameters, steps_per_epoch)
+
+
+def run_facts(setup: EngineSetup, data: Data, dist: DistEnv) -> dict[str, Any]:
+    """What a run trains with, under the same keys in its summary.json and in the benchmarks' records."""
+    engine = setup.engine
+    return {
+        "world_size": dist.world_size,
+        "micro_batch": engine.train_micro_batch_size_per_gpu(),
+        "accumulation": engine.gradient_accumulation_steps(),
+        "global_batch": engine.train_batch_size(),
+        "precision": precision_name(setup.dtype),
+        "zero_stage": engine.zero_optimization_stage(),
+        "storage": data.settings.storage,
+        "backend": data.settings.backend,
+        "parameters": setup.parameters,
+    }

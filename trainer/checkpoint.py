@@ -28,6 +28,7 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
+from common.files import fsync_path, write_text_atomically
 from model.checkpoints import (
     CHECKPOINT_DIR,
     LATEST,
@@ -40,7 +41,7 @@ from model.checkpoints import (
     tag_for,
     write_manifest,
 )
-from pipeline.files import fsync_path, write_text_atomically
+from trainer.dist import is_main_process
 from trainer.errors import CheckpointError, NumericalError
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,7 @@ def choose_checkpoint(run_dir: Path) -> str:
 def _agreed_checkpoint(run_dir: Path) -> str:
     """Rank 0 verifies and chooses; every rank gets the same tag, or the same error."""
     choice: list[Any] = [None]
-    if torch_dist.get_rank() == 0:
+    if is_main_process():
         try:
             choice[0] = choose_checkpoint(run_dir)
         except CheckpointError as err:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import deepspeed
 import torch
+import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 
 from trainer.errors import DistError
@@ -76,6 +77,14 @@ def _ints(environ: Mapping[str, str], names: tuple[str, ...]) -> dict[str, int]:
         raise DistError(
             f"{', '.join(names)} must be integers, got " + ", ".join(f"{v}={environ[v]!r}" for v in names)
         ) from None
+
+
+def is_main_process() -> bool:
+    """Whether this process is the job's rank 0: the process group's answer once it is up, before that the RANK
+    that ``DistEnv.export`` set (a process started alone is rank 0)."""
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return torch_dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 @dataclass(frozen=True)

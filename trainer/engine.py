@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from trainer.dist import is_main_process
 from trainer.errors import ConfigError
 from trainer.op_builds import jit_built, settle_build_lock
 
@@ -190,7 +191,7 @@ def fit_arch_list() -> str | None:
         return str(err)
     if fitted.split(";") != _arch_entries(value):
         os.environ["TORCH_CUDA_ARCH_LIST"] = fitted
-        if os.environ.get("RANK", "0") == "0":
+        if is_main_process():
             log.info(
                 "TORCH_CUDA_ARCH_LIST '%s' set to '%s' in this process, which DeepSpeed %s can parse",
                 value,
@@ -294,7 +295,7 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
         if optimizer["type"].lower() == "adam":
             params.setdefault("adam_w_mode", False)
         if device_type == "cpu" and "torch_adam" not in params:
-            # FusedAdam's CPU build is a 45 s JIT compile for no gain here; torch.optim.Adam is the same math.
+            # FusedAdam's CPU build is a JIT compile of its own for no gain here; torch.optim.Adam is the same math.
             params["torch_adam"] = True
         elif device_type == "cuda" and not params.get("torch_adam") and (problem := fused_adam_problem()):
             if "torch_adam" in params:  # asked for by name: DeepSpeed's build fails with its own message
@@ -302,7 +303,7 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
                     "DeepSpeed's FusedAdam, which torch_adam: false asks for, cannot be built here (%s)", problem
                 )
             else:
-                if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
+                if is_main_process():  # one line for the job, not one per rank
                     log.warning(
                         "DeepSpeed's FusedAdam cannot be built here (%s): training with torch's fused Adam", problem
                     )
@@ -325,10 +326,9 @@ def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, devi
 def skip_single_rank_reduction(engine: Any) -> bool:
     """Turn off the gradient all-reduce after backward where the data-parallel group is one rank.
 
-    DeepSpeed reduces gradients even over a single rank (it flattens them, all-reduces the copy and
-    copies it back): an identity that costs memory traffic every step, 4% of a step of the debug model
-    on a CPU. DeepSpeed skips it itself when it has no communication backend; ZeRO stages keep their
-    own reduction, which also partitions. Returns whether it was turned off.
+    DeepSpeed reduces gradients even over a single rank (it flattens them, all-reduces the copy and copies it
+    back): an identity that costs memory traffic every step. DeepSpeed skips it itself when it has no communication
+    backend; ZeRO stages keep their own reduction, which also partitions. Returns whether it was turned off.
     """
     if engine.dp_world_size == 1 and not engine.zero_optimization():
         engine.enable_backward_allreduce = False

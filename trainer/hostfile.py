@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-from pipeline.cli import ArgumentParser, existing_file
+from common.cli import ArgumentParser, existing_file
 from trainer.errors import HostfileError
 
 _LINE = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9._-]*)\s+slots=(?P<slots>\d+)$")

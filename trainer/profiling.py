@@ -7,7 +7,9 @@ is one (the kernels launched inside each range), else the CPU's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +19,9 @@ import torch
 
 from model import UNet
 
+log = logging.getLogger(__name__)
 TOP_KERNELS = 10
+PROFILE_STEPS = 3  # micro-steps a trace records, after one skipped and one of warm-up
 
 
 def blocks(model: UNet) -> list[tuple[str, torch.nn.Module]]:
@@ -115,3 +119,56 @@ def _block_order(name: str) -> tuple[int, int]:
 
 def write_summary(prof: torch.profiler.profile, path: Path, on_gpu: bool) -> None:
     path.write_text(summary(prof, on_gpu))
+
+
+class StepProfiler:
+    """``--profile``: a torch.profiler trace of micro-steps 3 to 5 (the first two skipped as warm-up) into
+    ``out_dir``, one file per rank, which TensorBoard's profiler plugin or Perfetto reads, with the blocks' ranges
+    (unless the model is compiled: hooks added after compiling would break or escape its graphs) and the summary
+    table beside it. ``step()`` after each micro-step; ``stop()`` at the end (or on an error)."""
+
+    def __init__(self, model: UNet, out_dir: Path, rank: int, on_gpu: bool, compiled: bool) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if on_gpu:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.out_dir, self.rank = out_dir, rank
+        trace = torch.profiler.tensorboard_trace_handler(str(out_dir), worker_name=f"rank{rank}")
+        table = out_dir / f"summary_rank{rank}.txt"
+
+        def ready(prof: torch.profiler.profile) -> None:
+            self._stop_block_ranges()  # the steps after the recorded ones run without the hooks
+            trace(prof)
+            write_summary(prof, table, on_gpu)
+            log.info("profile of micro-steps 3 to %d: %s", 2 + PROFILE_STEPS, table)
+
+        schedule = torch.profiler.schedule(wait=1, warmup=1, active=PROFILE_STEPS, repeat=1)
+        self.profiler: torch.profiler.profile | None = torch.profiler.profile(
+            activities=activities, schedule=schedule, on_trace_ready=ready
+        )
+        self.block_ranges: contextlib.AbstractContextManager | None = None
+        if compiled:
+            log.warning("--profile with compile: true: no per-block ranges, the kernels only")
+        else:
+            self.block_ranges = block_ranges(model)
+            self.block_ranges.__enter__()
+        self.profiler.start()
+        log.info("profiling micro-steps 3 to %d into %s", 2 + PROFILE_STEPS, out_dir)
+
+    def step(self) -> None:
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def stop(self) -> None:
+        """End the trace (once); says so where the run ended before the recorded micro-steps began."""
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        self.profiler = None
+        self._stop_block_ranges()
+        if not any(self.out_dir.glob(f"rank{self.rank}*")):
+            log.warning("--profile: the run ended before the recorded micro-steps began: no trace was written")
+
+    def _stop_block_ranges(self) -> None:
+        if self.block_ranges is not None:
+            self.block_ranges.__exit__(None, None, None)
+            self.block_ranges = None

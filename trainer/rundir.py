@@ -17,8 +17,8 @@ from typing import Any
 
 import torch.distributed as torch_dist
 
+from common.files import write_text_atomically
 from model.checkpoints import CHECKPOINT_DIR, RUN_CONFIG
-from pipeline.files import write_text_atomically
 from trainer.config import Config, to_dict
 from trainer.dist import DistEnv
 from trainer.errors import ConfigError

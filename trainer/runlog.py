@@ -11,7 +11,7 @@ from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
 
-from pipeline.files import write_text_atomically
+from common.files import write_text_atomically
 from trainer.rundir import ABANDONED_METRICS, METRICS, TENSORBOARD
 
 

@@ -44,24 +44,25 @@ def phase(name: str) -> Iterator[None]:
 
 def micro_step(
     engine: Any,
-    inp: torch.Tensor,
-    tar: torch.Tensor,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
     loss_fn: Loss,
-    proceed: Callable[[torch.Tensor], bool] | None = None,
+    guard: StepGuard | None = None,
+    where: Callable[[], str] = lambda: "this step",
     mark: Callable[[str], None] | None = None,
     after_backward: Callable[[], None] | None = None,
 ) -> torch.Tensor | None:
     """Forward, backward and (at an accumulation boundary, where DeepSpeed counts the micro-steps) the optimizer step.
 
-    ``proceed(loss)``, when given, runs between forward and backward and may skip the rest (None is returned: a
-    non-finite loss that every rank agreed to skip). ``mark(phase)``, when given, is called as each phase ends
-    (the benchmark's timers). ``after_backward()``, when given, sees the gradients before the optimizer takes them
-    (``trainer.numerics.LearningWatch``). Returns the loss still on the device: reading it here would synchronize
-    every step.
+    Between forward and backward the ``guard``, when given, may skip the rest (None is returned: a non-finite loss
+    that every rank agreed to skip); ``where()`` names the step in its messages. ``mark(phase)``, when given, is
+    called as each phase ends (the benchmark's timers). ``after_backward()``, when given, sees the gradients before
+    the optimizer takes them (``trainer.numerics.LearningWatch``). Returns the loss still on the device: reading it
+    here would synchronize every step.
     """
     with phase("forward"):
-        loss = loss_fn(engine(inp), tar)
-    if proceed is not None and not proceed(loss):
+        loss = loss_fn(engine(inputs), targets)
+    if guard is not None and not guard.allows(loss, inputs, targets, where):
         return None
     if mark is not None:
         mark("forward")
@@ -98,27 +99,23 @@ class StepGuard:
         self.stopping = self.stopping or stop
         return agreed
 
-    def proceed(self, inp: torch.Tensor, tar: torch.Tensor, where: Callable[[], str]) -> Callable | None:
-        """``micro_step``'s ``proceed`` for this batch, or None where nothing is checked at every micro-step: a
-        non-finite batch anywhere stops the run (data_checks: every_batch); a non-finite loss anywhere skips the
-        micro-step on every rank, or stops the run (``nonfinite_loss``). ``where()`` names the step in messages."""
+    def allows(self, loss: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, where: Callable[[], str]) -> bool:
+        """Whether the micro-step goes on to its backward, where the config checks every micro-step (else always,
+        with no sync): a non-finite batch anywhere stops the run (data_checks: every_batch); a non-finite loss
+        anywhere skips the micro-step on every rank, or stops the run (``nonfinite_loss``)."""
         if not self.every_step:
-            return None
-
-        def check(loss: torch.Tensor) -> bool:
-            bad_batch = torch.zeros((), device=loss.device)
-            if self.cfg.data_checks == "every_batch":
-                bad_batch = ~(torch.isfinite(inp).all() & torch.isfinite(tar).all())
-            nonfinite, bad = self.agree(~torch.isfinite(loss.detach()), bad_batch)
-            if bad:
-                raise DataError(f"a training batch holds NaN or Inf values ({where()}); data_checks: every_batch")
-            if nonfinite and self.cfg.nonfinite_loss != "ignore":
-                self._nonfinite(where())
-                return False
-            self.nonfinite_in_a_row = 0
             return True
-
-        return check
+        bad_batch = torch.zeros((), device=loss.device)
+        if self.cfg.data_checks == "every_batch":
+            bad_batch = ~(torch.isfinite(inputs).all() & torch.isfinite(targets).all())
+        nonfinite, bad = self.agree(~torch.isfinite(loss.detach()), bad_batch)
+        if bad:
+            raise DataError(f"a training batch holds NaN or Inf values ({where()}); data_checks: every_batch")
+        if nonfinite and self.cfg.nonfinite_loss != "ignore":
+            self._nonfinite(where())
+            return False
+        self.nonfinite_in_a_row = 0
+        return True
 
     def _nonfinite(self, where: str) -> None:
         """A NaN or Inf loss on some rank: every rank skips this micro-batch, or the run stops."""

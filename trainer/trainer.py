@@ -6,7 +6,6 @@ plain function for the same reason.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import re
@@ -18,7 +17,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import psutil
 import torch
 import torch.distributed as torch_dist
@@ -26,9 +24,8 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from model import Loss
-from model.metrics import compare
-from model.tiling import predict_box
-from trainer.build import build_data, build_engine, build_loss, normalization
+from model.predict import compare_box
+from trainer.build import build_data, build_engine, build_loss, normalization, run_facts
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import Config
 from trainer.dist import Device, DistEnv, device_name
@@ -39,14 +36,13 @@ from trainer.engine import (
 from trainer.errors import ConfigError, DistError
 from trainer.numerics import LearningWatch
 from trainer.preemption import StopRequest
-from trainer.profiling import block_ranges, write_summary
+from trainer.profiling import StepProfiler
 from trainer.provenance import software
 from trainer.rundir import PROFILE, RunDir
 from trainer.runlog import RunLog
 from trainer.step import StepGuard, micro_step, phase
 
 log = logging.getLogger(__name__)
-PROFILE_STEPS = 3  # micro-steps a --profile trace records, after one skipped and one of warm-up
 
 
 @torch.no_grad()
@@ -54,9 +50,9 @@ def evaluate(engine: Any, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], l
     """Mean validation loss per sample over all ranks (one reduction of [sum, count])."""
     engine.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
-    for inp, tar in loader:
-        totals[0] += loss_fn(engine(inp), tar) * inp.shape[0]
-        totals[1] += inp.shape[0]
+    for inputs, targets in loader:
+        totals[0] += loss_fn(engine(inputs), targets) * inputs.shape[0]
+        totals[1] += inputs.shape[0]
     engine.train()
     torch_dist.all_reduce(totals)
     return float(totals[0] / totals[1])
@@ -110,9 +106,9 @@ class Trainer:
         self.stop_after_epoch = stop_after_epoch
         self.stop = stop
         self.data = build_data(cfg, dist, device)
-        built = build_engine(cfg, dist, device)
-        self.engine, self.schedule, self.ds_config = built.engine, built.schedule, built.ds_config
-        self.dtype, self.num_parameters, self.steps_per_epoch = built.dtype, built.parameters, built.steps_per_epoch
+        self.setup = setup = build_engine(cfg, dist, device)
+        self.engine, self.schedule, self.ds_config = setup.engine, setup.schedule, setup.ds_config
+        self.dtype, self.num_parameters, self.steps_per_epoch = setup.dtype, setup.parameters, setup.steps_per_epoch
 
         # Where training stands: epoch index, micro-batches of it done, and what the summary reports.
         self.epoch, self.batch_in_epoch = 0, 0
@@ -146,8 +142,7 @@ class Trainer:
         resumed_step = self.engine.global_steps if resume else None
         self.runlog = RunLog(run_dir, enabled=dist.is_main, resumed_step=resumed_step)
         self.first_batch_digest: str | None = None
-        self.profiler: torch.profiler.profile | None = None
-        self.block_ranges: contextlib.AbstractContextManager | None = None
+        self.profiler: StepProfiler | None = None
 
     def wait_for_every_rank(self) -> None:
         """Return once every rank has built its trainer (passed its checks); one that failed says why itself."""
@@ -158,50 +153,10 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the loaders' work ahead (threads, DALI pipelines) and a profiler left running by an error."""
-        self._stop_profiler()
+        if self.profiler is not None:
+            self.profiler.stop()
         for loader in (self.train_loader, self.val_loader):
             loader.close()
-
-    def _start_profiler(self) -> None:
-        """A torch.profiler trace of micro-steps 3 to 5 (the first two skipped as warm-up) into the run
-        directory's ``profile/``, one file per rank: TensorBoard's profiler plugin or Perfetto reads it."""
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        trace = torch.profiler.tensorboard_trace_handler(
-            str(self.run_dir / PROFILE), worker_name=f"rank{self.dist.rank}"
-        )
-        table = self.run_dir / PROFILE / f"summary_rank{self.dist.rank}.txt"
-
-        def ready(prof: torch.profiler.profile) -> None:
-            self._stop_block_ranges()  # the steps after the recorded ones run without the hooks
-            trace(prof)
-            write_summary(prof, table, self.device.type == "cuda")
-            log.info("profile of micro-steps 3 to %d: %s", 2 + PROFILE_STEPS, table)
-
-        schedule = torch.profiler.schedule(wait=1, warmup=1, active=PROFILE_STEPS, repeat=1)
-        self.profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=ready)
-        if self.cfg.compile:  # module hooks added after compiling would break or escape its graphs
-            log.warning("--profile with compile: true: no per-block ranges, the kernels only")
-        else:
-            self.block_ranges = block_ranges(self.engine.module)
-            self.block_ranges.__enter__()
-        self.profiler.start()
-        log.info("profiling micro-steps 3 to %d into %s", 2 + PROFILE_STEPS, self.run_dir / PROFILE)
-
-    def _stop_profiler(self) -> None:
-        if self.profiler is None:
-            return
-        self.profiler.stop()
-        self.profiler = None
-        self._stop_block_ranges()
-        if not any((self.run_dir / PROFILE).glob(f"rank{self.dist.rank}*")):
-            log.warning("--profile: the run ended before the recorded micro-steps began: no trace was written")
-
-    def _stop_block_ranges(self) -> None:
-        if self.block_ranges is not None:
-            self.block_ranges.__exit__(None, None, None)
-            self.block_ranges = None
 
     def _where(self) -> str:
         """The micro-step being taken, for messages."""
@@ -225,19 +180,11 @@ class Trainer:
         if self.dist.is_main:
             cfg, volumes = self.cfg, self.data.val
             side = cfg.science_box_size or volumes.nbody.shape[1]
-            region = np.s_[:, :side, :side, :side]
             micro = self.engine.train_micro_batch_size_per_gpu()
-            pred = predict_box(
-                self.engine.module,
-                np.asarray(volumes.nbody[region]),
-                cfg.N_out_channels,
-                cfg.data_size,
-                cfg.data_size // 4,
-                micro,
-                self.engine.device,
+            norm = normalization(cfg, "val")
+            metrics = compare_box(
+                self.engine.module, volumes.nbody, volumes.hydro, norm, cfg.data_size, micro, self.engine.device, side
             )
-            truth = np.asarray(volumes.hydro[region], dtype=np.float32)
-            metrics = compare(pred, truth, normalization(cfg, "val"))
             scalars = {"science/box_size": float(side)}
             scalars |= {f"science/l1_{name}": value for name, value in metrics["l1"].items()}
             # a k range with no shell the truth resolves has no median: nothing to log
@@ -310,7 +257,8 @@ class Trainer:
             log.info("initial validation loss %.5f", self.initial_val_loss)
 
         if self.profile:
-            self._start_profiler()
+            on_gpu, compiled = self.device.type == "cuda", bool(cfg.compile)
+            self.profiler = StepProfiler(engine.module, self.run_dir / PROFILE, self.dist.rank, on_gpu, compiled)
         intervals: list[dict[str, float]] = []
         val_loss: float | None = None if self.resumed_at else self.initial_val_loss
         stopped = False
@@ -357,22 +305,15 @@ class Trainer:
             "wall_s": round(time.perf_counter() - wall_start, 3),
             "samples_per_s": statistics.median(m["throughput/samples_per_s"] for m in measured) if measured else None,
             "data_wait_pct": statistics.median(m["data_wait_pct"] for m in measured) if measured else None,
-            "world_size": self.dist.world_size,
+            **run_facts(self.setup, self.data, self.dist),
             "launched_by": self.dist.source,
-            "micro_batch": engine.train_micro_batch_size_per_gpu(),
-            "accumulation": engine.gradient_accumulation_steps(),
-            "global_batch": engine.train_batch_size(),
             "device": device_name(self.device),
             **software(),
-            "precision": precision_name(self.dtype),
-            "zero_stage": engine.zero_optimization_stage(),
-            "storage": self.data.settings.storage,
-            "backend": self.data.settings.backend,
-            "parameters": self.num_parameters,
             **self._rank_digests(),
         }
         self.run.write_summary(summary)
-        self._stop_profiler()
+        if self.profiler is not None:
+            self.profiler.stop()
         self.runlog.close()
         torch_dist.barrier()  # no rank leaves before rank 0 has written: under srun, the first to exit ends the step
         if not stopped:
@@ -396,16 +337,17 @@ class Trainer:
             wait_start = time.perf_counter()  # time blocked on the pipeline: what it costs the step
             try:
                 with phase("data_wait"):
-                    inp, tar = next(batches)
+                    inputs, targets = next(batches)
             except StopIteration:
                 break
             interval.data_wait_s += time.perf_counter() - wait_start
             self.batch_in_epoch += 1
             if self.first_batch_digest is None:  # once per run: which crops this rank drew
-                self.first_batch_digest = hashlib.sha256(inp.float().cpu().numpy().tobytes()).hexdigest()
+                self.first_batch_digest = hashlib.sha256(inputs.float().cpu().numpy().tobytes()).hexdigest()
             step_before = engine.global_steps
-            proceed = self.guard.proceed(inp, tar, self._where)
-            loss = micro_step(engine, inp, tar, self.loss_fn, proceed, after_backward=self.watch.after_backward)
+            loss = micro_step(
+                engine, inputs, targets, self.loss_fn, self.guard, self._where, after_backward=self.watch.after_backward
+            )
             if self.profiler is not None:
                 self.profiler.step()
             if loss is None:

@@ -1,38 +1,20 @@
-"""One typed experiment config, loaded strictly: defaults < YAML file < command line.
+"""The settings of an experiment: every config key with its type, default, help and checks, in one dataclass.
 
-Named configs live in a YAML file (``ds_configs/UNet.yaml``), one mapping per name, with YAML
-anchors for inheritance as in the reference. Every field below can be overridden from the command
-line, the reference's way for top-level keys (``--num_epochs 3``) and by dotted keys for nested ones
-(``--lr_schedule.start_lr 1e-3``). Unknown keys (with the closest known key suggested) and values of
-the wrong type are errors that name the key. Keys are the reference's where it had them.
+Keys are the reference's where it had them (``RENAMED`` says where its others went). What the data path leaves a key
+unused for, whether a resumed run may change it and whether it names a file are stated beside it (``_field``).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
-import difflib
-import logging
-import os
-import re
-import types
 import typing
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from pipeline.cli import ArgumentParser, existing_file, parent_problem
 from pipeline.rotations import check_vector_groups
 from pipeline.synthetic import SyntheticSpec
 from trainer.errors import ConfigError
-
-DEFAULT_YAML = Path("ds_configs/UNet.yaml")
-log = logging.getLogger(__name__)
-
 
 Bound = Literal["positive", "non-negative"]
 # Which storage modes, backends and devices leave a data key unused: (cfg, effective storage, backend, device type).
@@ -315,72 +297,6 @@ RENAMED = {
 }
 
 
-def _unknown_key(key: str, known: list[str], where: str) -> ConfigError:
-    if key in RENAMED:
-        return ConfigError(f"unknown key '{where}{key}': {RENAMED[key]}")
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean '{where}{close[0]}'?)" if close else ""
-    return ConfigError(f"unknown key '{where}{key}'{hint}")
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML as PyYAML reads it, except that 5e8 and 1e-3 (exponent, no dot) are numbers, as in YAML 1.2 and
-    JSON, not strings; quoted, they stay strings."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"), list("-+0123456789.")
-)
-
-
-def _convert(value: Any, hint: Any, key: str) -> Any:
-    """``value`` as type ``hint``, or ConfigError naming ``key``."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        (inner,) = [o for o in options if o is not type(None)]
-        return _convert(value, inner, key)
-    if origin is Literal:
-        if isinstance(value, bool) or value not in typing.get_args(hint):
-            hint_bool = " (YAML reads yes/no/on/off as booleans: quote the value)" if isinstance(value, bool) else ""
-            raise ConfigError(f"{key} must be one of {list(typing.get_args(hint))}, got {value!r}{hint_bool}")
-        return value
-    if origin is list:
-        (inner,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, got {value!r}")
-        return [_convert(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return from_dict(hint, value, prefix=f"{key}.")
-    if hint is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(value, hint):
-        return value
-    raise ConfigError(f"{key} must be {hint.__name__}, got {value!r}")
-
-
-def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    """Build dataclass ``cls`` from ``data``, strictly; missing keys take the defaults."""
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    for key in data:
-        if key not in known:
-            raise _unknown_key(key, known, prefix)
-    return cls(**{key: _convert(value, hints[key], prefix + key) for key, value in data.items()})
-
-
 def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, Any]]:
     """Dotted key -> (help, default), for every overridable field (nested dataclasses expanded, and themselves)."""
     keys: dict[str, tuple[str, Any]] = {}
@@ -395,200 +311,6 @@ def leaf_keys(cls: type = Config, prefix: str = "") -> dict[str, tuple[str, Any]
     return keys
 
 
-def _plain(value: Any) -> Any:
-    """A value as the YAML file holds it: dataclasses as mappings."""
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
-
-
-def _as_yaml(value: Any) -> str:
-    """A default as it would be written in the YAML file: null, [[1, 2, 3]], {scaling: sqrt, ...}."""
-    value = _plain(value)
-    return (
-        yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6)
-        .strip()
-        .removesuffix("\n...")
-        .strip()
-    )
-
-
-def named_configs(path: Path) -> list[tuple[str, str]]:
-    """(name, description) of every named config in the YAML file ``path``; ConfigError if it cannot be read."""
-    document = _named_document(path)
-    return [
-        (name, str(body.get("description", "")) if isinstance(body, dict) else "") for name, body in document.items()
-    ]
-
-
-def _option_in(argv: Sequence[str], option: str) -> str | None:
-    """The value the command line gives ``option``, read before parsing it (for --help)."""
-    for i, arg in enumerate(argv):
-        if arg == option and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(option + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def configs_epilog(path: Path) -> str:
-    """--help's closing list of the named configs, each with its description."""
-    try:
-        named = named_configs(path)
-    except ConfigError as err:
-        return f"named configs: {err}"
-    width = max(len(name) for name, _ in named) if named else 0
-    lines = [f"  {name:<{width}}  {description}".rstrip() for name, description in named]
-    return f"named configs in {path} (--config NAME):\n" + "\n".join(lines)
-
-
-def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        out[prefix + key] = value
-        if isinstance(value, dict) and key != "deepspeed_overrides":
-            out |= _flat(value, prefix + key + ".")
-    return out
-
-
-def add_config_options(parser: argparse.ArgumentParser, yaml_path: Path, name: str) -> None:
-    """Every config key as an option ``--key VALUE`` (dotted for nested keys), plus --config/--yaml_config. Each
-    option's help gives the key's default, and the named config's value where that differs."""
-    parser.add_argument("--config", default="debug", help="name of the config in --yaml_config (default: debug)")
-    parser.add_argument(
-        "--yaml_config",
-        type=existing_file,
-        default=DEFAULT_YAML,
-        help=f"file of named configs (default: {DEFAULT_YAML})",
-    )
-    try:
-        named = _flat(to_dict(build_config(load_named(yaml_path, name), {})))
-    except ConfigError:
-        named = {}  # a config that cannot be built says why when it is run, not in --help
-    group = parser.add_argument_group(
-        "config keys",
-        f"override the named config; each key's default, and where the config '{name}' sets another value, that",
-    )
-    for key, (help_text, default) in leaf_keys(Config).items():
-        values = f"default: {_as_yaml(default)}"
-        if key in named and named[key] != _plain(default):
-            values += f"; {name}: {_as_yaml(named[key])}"
-        group.add_argument(
-            f"--{key}",
-            dest=f"set:{key}",
-            metavar="VALUE",
-            default=argparse.SUPPRESS,
-            help=f"{help_text} ({values})".replace("%", "%%"),
-        )
-
-
-def config_parser(prog: str, description: str, argv: Sequence[str], usage: str | None = None) -> ArgumentParser:
-    """A command's parser with the config options: one-line errors, the reference's renamed options hinted, each
-    key's default and the chosen named config's value in --help, which closes with the named configs."""
-    yaml_path = Path(_option_in(argv, "--yaml_config") or DEFAULT_YAML)
-    parser = ArgumentParser(
-        prog=prog,
-        description=description,
-        usage=usage,
-        epilog=configs_epilog(yaml_path),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        renamed=RENAMED,
-    )
-    add_config_options(parser, yaml_path, _option_in(argv, "--config") or "debug")
-    return parser
-
-
-def parse_config_options(
-    parser: argparse.ArgumentParser, argv: list[str] | None
-) -> tuple[argparse.Namespace, dict[str, str]]:
-    """Parse; the config overrides apart (dotted key -> raw value)."""
-    args = parser.parse_args(argv)
-    overrides = {dest[4:]: value for dest, value in vars(args).items() if dest.startswith("set:")}
-    return args, overrides
-
-
-def _named_document(path: Path) -> dict[str, Any]:
-    """The YAML file of named configs at ``path``, anchors resolved; ConfigError if it cannot be read."""
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
-    try:
-        document = yaml.load(text, _Loader)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
-    if not isinstance(document, dict):
-        raise ConfigError(f"{path} must map config names to configs")
-    return document
-
-
-def load_named(path: Path, name: str) -> dict[str, Any]:
-    """The mapping named ``name`` in the YAML file ``path`` (YAML anchors resolved)."""
-    document = _named_document(path)
-    if name not in document:
-        raise ConfigError(f"no config named '{name}' in {path} (available: {', '.join(sorted(document))})")
-    selected = document[name]
-    if not isinstance(selected, dict):
-        raise ConfigError(f"config '{name}' in {path} is not a mapping")
-    return dict(selected)
-
-
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``a.b.c`` in nested dicts, creating (or replacing a null with) intermediate mappings."""
-    *parents, leaf = key.split(".")
-    node = data
-    for part in parents:
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
-        node = node[part]
-    node[leaf] = value
-
-
-def parse_value(raw: str) -> Any:
-    """A command-line value as YAML would read it (3 -> int, 1e-3 -> float, null -> None, [1, 2] -> list)."""
-    try:
-        return yaml.load(raw, _Loader)
-    except yaml.YAMLError:
-        return raw
-
-
-# Keys naming files: ${VAR} and ${VAR:-default} in them are taken from the environment, so that a site's
-# data directory (DATA_DIR in slurm/train.sbatch) needs no edit of the configs.
-PATH_KEYS = tuple(f.name for f in dataclasses.fields(Config) if f.metadata["path"])
-_VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
-
-
-def expand_path(key: str, value: str, environ: Mapping[str, str] = os.environ) -> str:
-    def replace(match: re.Match) -> str:
-        name, default = match.group(1), match.group(2)
-        if name in environ:
-            return environ[name]
-        if default is None:
-            raise ConfigError(
-                f"{key} refers to ${{{name}}}, which is not set (write ${{{name}:-default}} for a default)"
-            )
-        return default
-
-    return _VARIABLE.sub(replace, value)
-
-
-def build_config(base: dict[str, Any], overrides: dict[str, str]) -> Config:
-    """The config from a named mapping plus command-line ``overrides`` (dotted key -> raw string)."""
-    data = copy.deepcopy(base)
-    for key, raw in overrides.items():
-        set_dotted(data, key, parse_value(raw))
-    cfg = from_dict(Config, data)
-    for key in PATH_KEYS:
-        setattr(cfg, key, expand_path(key, getattr(cfg, key)))
-    cfg.validate()
-    kinds = {f.name: f.metadata["path"] for f in dataclasses.fields(Config)}
-    for key in (k for k in PATH_KEYS if kinds[k] in (cfg.data_format, "file")):
-        path = Path(getattr(cfg, key))
-        if path.is_dir():
-            raise ConfigError(f"{key} {path} is a directory, not a file")
-        if problem := parent_problem(path):
-            raise ConfigError(f"{key} {problem}")
-    return cfg
-
-
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
@@ -597,33 +319,11 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 RESUMABLE = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata["resumable"])
 
 
-def changes_on_resume(saved: dict[str, Any], cfg: Config) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """(harmless, training-changing) differences between a run's saved config and the resumed one."""
-    now = to_dict(cfg)
-    defaults = to_dict(Config())  # keys newer than the saved run: it ran with their defaults
-    changed = {k: (saved.get(k, defaults[k]), v) for k, v in now.items() if saved.get(k, defaults[k]) != v}
-    harmless = {k: d for k, d in changed.items() if k in RESUMABLE}
-    return harmless, {k: d for k, d in changed.items() if k not in RESUMABLE}
-
-
-def resumed_config(saved: dict[str, Any], overrides: dict[str, str], allow_change: bool) -> tuple[str, Config]:
-    """The name and config of a run to resume, from what it recorded (``saved``) with ``overrides`` on top: settings
-    that change the training are refused unless ``allow_change``; every change is logged."""
-    cfg = build_config(saved["config"], overrides)
-    harmless, changing = changes_on_resume(saved["config"], cfg)
-
-    def listing(diff: dict[str, tuple]) -> str:
-        return ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
-
-    if changing and not allow_change:
-        raise ConfigError(
-            f"resuming with settings that change the training: {listing(changing)} (--allow_config_change accepts them)"
-        )
-    if harmless or changing:
-        log.warning("resuming with changed settings: %s", listing({**harmless, **changing}))
-    return saved["name"], cfg
-
-
 def channels_last_on(cfg: Config, device_type: str) -> bool:
     """``channels_last`` for this device: null is on with a GPU (convolutions measured faster there), off on CPUs."""
     return device_type == "cuda" if cfg.channels_last is None else cfg.channels_last
+
+
+# Keys naming files: ${VAR} and ${VAR:-default} in them are taken from the environment, so that a site's
+# data directory (DATA_DIR in slurm/train.sbatch) needs no edit of the configs.
+PATH_KEYS = tuple(f.name for f in dataclasses.fields(Config) if f.metadata["path"])
