@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.env import REPO, append_records, environment, read_records
-from pipeline.cli import ArgumentParser, output_file
+from common.cli import ArgumentParser, output_file
 from trainer.config import load_named
 from trainer.rundir import SUMMARY
 
