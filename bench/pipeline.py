@@ -84,13 +84,13 @@ class PlainCopies:
         self.plan, self.device = plan, device
         self.pool = ThreadPoolExecutor(max_workers=threads)
         size = plan.crop_size
-        self.inp = np.empty((plan.batch_size, self.nbody.shape[0], size, size, size), np.float32)
-        self.tar = np.empty((plan.batch_size, self.hydro.shape[0], size, size, size), np.float32)
+        self.inputs = np.empty((plan.batch_size, self.nbody.shape[0], size, size, size), np.float32)
+        self.targets = np.empty((plan.batch_size, self.hydro.shape[0], size, size, size), np.float32)
 
     def _copy(self, j: int, corner: tuple[int, int, int]) -> None:
         (x, y, z), s = corner, self.plan.crop_size
-        np.copyto(self.inp[j], self.nbody[:, x : x + s, y : y + s, z : z + s])
-        np.copyto(self.tar[j], self.hydro[:, x : x + s, y : y + s, z : z + s])
+        np.copyto(self.inputs[j], self.nbody[:, x : x + s, y : y + s, z : z + s])
+        np.copyto(self.targets[j], self.hydro[:, x : x + s, y : y + s, z : z + s])
 
     def __iter__(self) -> Any:
         for batch in range(self.plan.num_batches):
@@ -98,7 +98,7 @@ class PlainCopies:
             for future in [self.pool.submit(self._copy, j, d.corner) for j, d in enumerate(draws)]:
                 future.result()
             n = len(draws)
-            yield torch.from_numpy(self.inp[:n]).to(self.device), torch.from_numpy(self.tar[:n]).to(self.device)
+            yield torch.from_numpy(self.inputs[:n]).to(self.device), torch.from_numpy(self.targets[:n]).to(self.device)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -108,13 +108,13 @@ def _time_batches(batches: Any, warmup: int, measured: int, device: torch.device
     """Discard ``warmup`` batches, then time ``measured`` ones (synchronizing the device at both ends only)."""
     iterator = iter(batches)
     for _ in range(warmup):
-        inp, tar = next(iterator)
+        inputs, targets = next(iterator)
     if device.type == "cuda":
         torch.cuda.synchronize()
     times, start = [], time.perf_counter()
     for _ in range(measured):
         t = time.perf_counter()
-        inp, tar = next(iterator)
+        inputs, targets = next(iterator)
         if device.type != "cuda":
             times.append(time.perf_counter() - t)
     if device.type == "cuda":
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 num_workers=args.threads,
                 pin_memory=device.type == "cuda",
             )
-            return ((inp.to(device), tar.to(device)) for inp, tar in loader)
+            return ((inputs.to(device), targets.to(device)) for inputs, targets in loader)
 
         in_memory = volumes.load()
         cases: dict[str, Any] = {

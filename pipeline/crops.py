@@ -25,8 +25,8 @@ from pipeline.volumes import VolumePair
 class CropBatch:
     """One batch, as views of a reusable buffer: valid until the buffer comes round again."""
 
-    inp: np.ndarray  # (n, C_in, S, S, S) float32; channels last in memory when channels_last
-    tar: np.ndarray  # (n, C_out, S, S, S) float32
+    inputs: np.ndarray  # (n, C_in, S, S, S) float32; channels last in memory when channels_last
+    targets: np.ndarray  # (n, C_out, S, S, S) float32
     draws: list[SampleDraw]
     rotated: bool  # False: the rotation of each draw is still to be applied
     slot: int  # which buffer of the batcher's ring holds it
@@ -35,8 +35,8 @@ class CropBatch:
     def contiguous(self) -> tuple[np.ndarray, np.ndarray, str]:
         """The buffers as they lie in memory, C-contiguous, and their per-sample layout (CDHW or DHWC)."""
         if self.channels_last:
-            return self.inp.transpose(0, 2, 3, 4, 1), self.tar.transpose(0, 2, 3, 4, 1), "DHWC"
-        return self.inp, self.tar, "CDHW"
+            return self.inputs.transpose(0, 2, 3, 4, 1), self.targets.transpose(0, 2, 3, 4, 1), "DHWC"
+        return self.inputs, self.targets, "CDHW"
 
 
 class Guard(Protocol):
@@ -108,16 +108,16 @@ class CropBatcher:
         if guard is not None:  # an asynchronous read of this buffer may still be under way
             guard.synchronize()
         draws = self.plan.batch_draws(*key)
-        inp, tar = self._ring[slot]
-        futures = [self._pool.submit(self._cut, draw, inp[j], tar[j]) for j, draw in enumerate(draws)]
+        inputs, targets = self._ring[slot]
+        futures = [self._pool.submit(self._cut, draw, inputs[j], targets[j]) for j, draw in enumerate(draws)]
         self._pending[key] = (slot, draws, futures)
 
-    def _cut(self, draw: SampleDraw, inp: np.ndarray, tar: np.ndarray) -> None:
+    def _cut(self, draw: SampleDraw, inputs: np.ndarray, targets: np.ndarray) -> None:
         if self.rotate_here:
             groups = (self.augmenter.in_vectors, self.augmenter.out_vectors)
-            self.volumes.cut(draw.corner, self.plan.crop_size, ROTATIONS[draw.rotation], groups, inp, tar)
+            self.volumes.cut(draw.corner, self.plan.crop_size, ROTATIONS[draw.rotation], groups, inputs, targets)
         else:
-            self.volumes.read_crop(draw.corner, self.plan.crop_size, inp, tar)
+            self.volumes.read_crop(draw.corner, self.plan.crop_size, inputs, targets)
 
     def get(self, epoch: int, batch: int) -> CropBatch:
         key = (epoch, batch)
@@ -135,9 +135,11 @@ class CropBatcher:
         slot, draws, futures = self._pending.pop(key)
         for future in futures:
             future.result()  # re-raises a worker's exception here
-        inp, tar = self._ring[slot]
+        inputs, targets = self._ring[slot]
         n = len(draws)
-        return CropBatch(inp[:n], tar[:n], draws, rotated=self.rotate_here, channels_last=self.channels_last, slot=slot)
+        return CropBatch(
+            inputs[:n], targets[:n], draws, rotated=self.rotate_here, channels_last=self.channels_last, slot=slot
+        )
 
     def guard(self, batch: CropBatch, guard: Guard) -> None:
         """``batch``'s buffer is read asynchronously until ``guard`` synchronizes: not to be cut into before."""

@@ -1,10 +1,11 @@
 """DALI pipelines: each batch of a ``DrawPlan`` made inside the DALI graph, on the training device.
 
-An external source hands the graph the per-sample arguments of each batch (crop corners, rotation); the
-graph cuts the crops, rotates them (inputs and targets alike, vector channels turned with the volume),
-casts the inputs to the engine's dtype and, for channels-last training, moves the channels last (for
-resident volumes, in one function: see ``ResidentCrops``). Where
-the crops come from is the storage mode's business (the ``*Crops`` sources below):
+The graph (``_graph``) reads as its stages: source (an external source hands over, by name, what the storage
+mode's crop source needs for the batch, the crops' corners and the rotation arguments), cut, rotate (inputs and
+targets alike, vector channels turned with the volume), layout (channels last, for channels-last training) and cast
+(the inputs to the engine's dtype); its outputs are ``OUTPUTS``. For resident volumes one function does everything
+from the cut to the cast (``ResidentCrops``). Where the crops come from is the storage mode's business
+(``CropSource``, one class per mode below):
 
 - ``HostCrops`` (storage ``host``): the volumes in this process's memory, listed once per sample by the
   external source (``no_copy``: on the CPU, DALI takes a list of arrays as they are, so the volume is not
@@ -12,7 +13,7 @@ the crops come from is the storage mode's business (the ``*Crops`` sources below
   uploaded and rotated there.
 - ``ResidentCrops`` (storage ``device``): volumes resident in GPU memory, held by a function that DALI
   calls on its own CUDA stream (``fn.dl_tensor_python_function``), which makes the whole training batch
-  with the torch backend's ``DeviceCutter``: cut, rotated, laid out and cast in three passes, one
+  with ``pipeline.device_cut.DeviceCutter``: cut, rotated, laid out and cast in three passes, one
   implementation for both backends. The volume never enters the graph as data: a GPU external source would
   copy a batch that lists it once per sample into one buffer (DALI's documentation of ``no_copy``). The
   same function cuts volumes in host memory when the graph runs on the CPU.
@@ -30,7 +31,7 @@ of a converged L1 of about 5e-3. The same graph runs on the CPU (``device_id=Non
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,9 +40,9 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator
 from torch.utils.dlpack import to_dlpack
 
 from pipeline.crops import CropBatcher
+from pipeline.device_cut import DeviceCutter
 from pipeline.rotations import AXIS_PERMUTATIONS, VectorGroups, channel_order
 from pipeline.sampling import Augmenter, DrawPlan, SampleDraw
-from pipeline.torch_backend import DeviceCutter
 from pipeline.volumes import VolumeFiles, VolumePair
 
 # DALI has no bfloat16: such batches leave the pipeline as float32 and are cast by torch.
@@ -49,15 +50,47 @@ _DALI_DTYPES = {torch.float32: types.FLOAT, torch.float16: types.FLOAT16, torch.
 _SPATIAL = [1, 2, 3]  # the spatial axes of a CDHW sample
 
 
-def rotation_arrays(draws: list[SampleDraw], augmenter: Augmenter) -> tuple[np.ndarray, ...]:
-    """Per-sample rotation arguments of a batch: axis-order index, flips, input and target signs."""
+# The graph's outputs, named for the iterator.
+OUTPUTS = ("inputs", "targets")
+# The per-sample rotation arguments the feed hands over where the graph rotates.
+ROTATION_ARGUMENTS = ("perm_index", "flips", "input_signs", "target_signs")
+
+
+def rotation_arrays(draws: list[SampleDraw], augmenter: Augmenter) -> dict[str, np.ndarray]:
+    """The batch's ``ROTATION_ARGUMENTS``: per sample, axis-order index, flips, input and target signs."""
     args = [augmenter.args(d) for d in draws]
-    return (
-        np.array([a.perm_index for a, _ in args], dtype=np.int32),
-        np.stack([a.flips for a, _ in args]),
-        np.stack([a.sign for a, _ in args]),
-        np.stack([b.sign for _, b in args]),
-    )
+    return {
+        "perm_index": np.array([a.perm_index for a, _ in args], dtype=np.int32),
+        "flips": np.stack([a.flips for a, _ in args]),
+        "input_signs": np.stack([a.sign for a, _ in args]),
+        "target_signs": np.stack([b.sign for _, b in args]),
+    }
+
+
+class CropSource(Protocol):
+    """Where a graph's crops come from (a storage mode), and how much of the batch it makes itself.
+
+    ``fed`` names what ``feed`` hands the graph for each batch, with each one's layout; ``cut`` turns those nodes
+    (and ``corners``, the crops' corners, where ``cut_at_corners``) into the (inputs, targets) nodes of the crops.
+    """
+
+    fed: dict[str, str]  # name -> DALI layout ("" for arguments) of what ``feed`` returns
+    cut_at_corners: bool  # the graph cuts at each sample's corner, fed as "corners"
+    rotated: bool  # the crops come out of ``cut`` rotated already
+    finished: bool  # ``cut`` makes the training batch itself: rotated, laid out and cast
+    channels_last: bool  # ``cut`` returns DHWC samples
+    padded: bool  # a reader that always reads a full batch: a short last batch is padded, then trimmed
+    threads: int  # DALI's CPU threads
+
+    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> dict[str, Any]: ...
+
+    def cut(self, fed: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]: ...
+
+    def close(self) -> None: ...
+
+
+def _uploaded(nodes: tuple[Any, Any], on_gpu: bool) -> tuple[Any, Any]:
+    return (nodes[0].gpu(), nodes[1].gpu()) if on_gpu else nodes
 
 
 class BatcherCrops:
@@ -68,17 +101,17 @@ class BatcherCrops:
     def __init__(self, batcher: CropBatcher) -> None:
         self.batcher = batcher
         self.rotated = batcher.rotate_here
-        layout = "DHWC" if batcher.channels_last else "CDHW"  # the batcher cut channels-last already
-        self.layouts = [layout, layout]
+        self.channels_last = batcher.channels_last  # the batcher cut channels-last already
+        layout = "DHWC" if batcher.channels_last else "CDHW"
+        self.fed = {"inputs": layout, "targets": layout}
         self.threads = 1  # the graph's CPU work is bookkeeping: the batcher's threads cut the crops
 
-    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> list[Any]:
-        inp, tar, _ = self.batcher.get(epoch, index).contiguous()
-        return [inp, tar]
+    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> dict[str, Any]:
+        inputs, targets, _ = self.batcher.get(epoch, index).contiguous()
+        return {"inputs": inputs, "targets": targets}
 
-    def cut(self, given: list[Any], corners: Any, crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
-        inp, tar = given
-        return (inp.gpu(), tar.gpu()) if on_gpu else (inp, tar)
+    def cut(self, fed: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+        return _uploaded((fed["inputs"], fed["targets"]), on_gpu)
 
     def close(self) -> None:
         self.batcher.close()
@@ -87,35 +120,39 @@ class BatcherCrops:
 class HostCrops:
     """Crops sliced by DALI's CPU threads out of volumes in host memory, handed to the graph without a copy."""
 
-    padded, rotated, finished, cut_at_corners = False, False, False, True
-    layouts = ["CDHW", "CDHW"]
+    padded, rotated, finished, cut_at_corners, channels_last = False, False, False, True, False
+    fed = {"nbody": "CDHW", "hydro": "CDHW"}
 
     def __init__(self, volumes: VolumePair, threads: int) -> None:
         self.nbody, self.hydro = volumes.nbody, volumes.hydro  # contiguous float32 (VolumePair.load)
         self.threads = threads
 
-    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> list[Any]:
-        return [[self.nbody] * len(draws), [self.hydro] * len(draws)]  # the same array per sample: no copy
+    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> dict[str, Any]:
+        # The same array for every sample: DALI takes the list as it is, with no copy.
+        return {"nbody": [self.nbody] * len(draws), "hydro": [self.hydro] * len(draws)}
 
-    def cut(self, given: list[Any], corners: Any, crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+    def cut(self, fed: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
         shape = np.full(3, crop_size, np.int32)
-        inp, tar = (
-            fn.slice(v, corners, shape, axes=_SPATIAL, normalized_anchor=False, normalized_shape=False) for v in given
+        inputs = fn.slice(
+            fed["nbody"], fed["corners"], shape, axes=_SPATIAL, normalized_anchor=False, normalized_shape=False
         )
-        return (inp.gpu(), tar.gpu()) if on_gpu else (inp, tar)
+        targets = fn.slice(
+            fed["hydro"], fed["corners"], shape, axes=_SPATIAL, normalized_anchor=False, normalized_shape=False
+        )
+        return _uploaded((inputs, targets), on_gpu)
 
     def close(self) -> None:
         pass
 
 
 class ResidentCrops:
-    """The training batch itself, made from volumes held by this object by the torch backend's ``DeviceCutter``
-    in a function that DALI calls with each batch's draws: crops cut, rotated, laid out (channels-last) and cast
-    in three passes over the batch, and a fourth where DALI copies them into its output. On a GPU the volumes are
-    resident in its memory and the function runs on DALI's CUDA stream; on the CPU they are host tensors."""
+    """The training batch itself, made from volumes held by this object by ``DeviceCutter`` in a function that
+    DALI calls with each batch's draws: crops cut, rotated, laid out (channels-last) and cast in three passes over
+    the batch, and a fourth where DALI copies them into its output. On a GPU the volumes are resident in its memory
+    and the function runs on DALI's CUDA stream; on the CPU they are host tensors."""
 
     padded, rotated, finished, cut_at_corners = False, True, True, False
-    layouts = [""]  # the feed hands over each sample's (rotation, corner)
+    fed = {"draws": ""}  # each sample's (rotation, corner)
 
     def __init__(
         self,
@@ -135,8 +172,8 @@ class ResidentCrops:
         self.channels_last = channels_last
         self.threads = 1  # nothing is cut on the CPU's threads
 
-    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> list[Any]:
-        return [DeviceCutter.host_arguments(draws, cut_already=False).numpy()]
+    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> dict[str, Any]:
+        return {"draws": DeviceCutter.host_arguments(draws, cut_already=False).numpy()}
 
     def _make(self, draws: list[Any]) -> tuple[Any, Any]:
         """Called by DALI with the batch's draws (DLPack, on the volumes' device): the batch's inputs and targets."""
@@ -157,13 +194,12 @@ class ResidentCrops:
         # Per output, one DLPack per sample: views of the batch, which DALI copies into its own buffer.
         return tuple([to_dlpack(sample) for sample in t] for t in batch)
 
-    def cut(self, given: list[Any], corners: Any, crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+    def cut(self, fed: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
         if on_gpu != self.on_gpu:
             raise ValueError("resident volumes must be on the device the graph runs on")
-        (draws,) = given
         layout = "DHWC" if self.channels_last else "CDHW"
         return fn.dl_tensor_python_function(
-            draws.gpu() if on_gpu else draws,
+            fed["draws"].gpu() if on_gpu else fed["draws"],
             function=self._make,
             num_outputs=2,
             batch_processing=True,
@@ -180,33 +216,33 @@ class NumpyCrops:
     """Crops read from .npy files by DALI's numpy reader, each a region of interest of the file. The reader
     reads a fixed number of samples per batch: a short last batch is padded and trimmed by ``DaliLoader``."""
 
-    padded, rotated, finished, cut_at_corners = True, False, False, True
-    layouts: list[str] = []
+    padded, rotated, finished, cut_at_corners, channels_last = True, False, False, True, False
+    fed: dict[str, str] = {}  # the reader reads the files itself; only the corners are fed
 
     def __init__(self, volumes: VolumePair, batch_size: int, threads: int) -> None:
         files: VolumeFiles = volumes.files
         self.paths = [str(files.inputs), str(files.targets)]
         self.dtypes = [volumes.nbody.dtype, volumes.hydro.dtype]
-        self.channels_last = files.npy_layout == "DHWC"
+        self.files_channels_last = files.npy_layout == "DHWC"
         self.batch_size, self.threads = batch_size, threads
 
-    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> list[Any]:
-        return []
+    def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> dict[str, Any]:
+        return {}
 
-    def cut(self, given: list[Any], corners: Any, crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+    def cut(self, fed: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
         out = []
         for path, dtype in zip(self.paths, self.dtypes):  # noqa: B905 (DALI's autograph knows no strict=)
             crop = fn.readers.numpy(  # on the CPU: see the module's docstring for the GPU reader
                 files=[path] * self.batch_size,
-                roi_start=corners,
+                roi_start=fed["corners"],
                 roi_shape=[crop_size] * 3,
-                roi_axes=[0, 1, 2] if self.channels_last else _SPATIAL,
+                roi_axes=[0, 1, 2] if self.files_channels_last else _SPATIAL,
                 out_of_bounds_policy="error",
                 random_shuffle=False,
             )
             if on_gpu:
                 crop = crop.gpu()
-            if self.channels_last:
+            if self.files_channels_last:
                 crop = fn.transpose(crop, perm=[3, 0, 1, 2], transpose_layout=False)
             if dtype != np.float32:
                 crop = fn.cast(crop, dtype=types.FLOAT)
@@ -215,9 +251,6 @@ class NumpyCrops:
 
     def close(self) -> None:
         pass
-
-
-Crops = BatcherCrops | HostCrops | ResidentCrops | NumpyCrops
 
 
 def _position(info: Any, first_epoch: int, first_batch: int, num_batches: int) -> tuple[int, int]:
@@ -229,28 +262,38 @@ def _position(info: Any, first_epoch: int, first_batch: int, num_batches: int) -
 
 
 class _Feed:
-    """External-source callback: for DALI's (epoch, iteration), what the crops' source hands over, the corners of
-    the crops and, where the graph rotates, the arguments of the rotations."""
+    """External-source callback: for DALI's (epoch, iteration), the named arrays of ``layouts``: what the crops'
+    source hands over, the corners of the crops where the graph cuts them, and the rotation arguments where it
+    rotates."""
 
     def __init__(
-        self, plan: DrawPlan, augmenter: Augmenter, crops: Crops, first_epoch: int, first_batch: int, rotate_here: bool
+        self,
+        plan: DrawPlan,
+        augmenter: Augmenter,
+        crops: CropSource,
+        first_epoch: int,
+        first_batch: int,
+        rotate_here: bool,
     ) -> None:
         self.plan, self.augmenter, self.crops = plan, augmenter, crops
         self.first_epoch, self.first_batch, self.rotate_here = first_epoch, first_batch, rotate_here
-        self.corners = crops.cut_at_corners  # the graph cuts the crops at these corners
-        self.num_outputs = len(crops.layouts) + self.corners + (4 if rotate_here else 0)
+        self.layouts = dict(crops.fed)  # name -> layout, in the order the external source's outputs come
+        if crops.cut_at_corners:
+            self.layouts["corners"] = ""
+        if rotate_here:
+            self.layouts.update(dict.fromkeys(ROTATION_ARGUMENTS, ""))
 
     def __call__(self, info: Any) -> list[Any]:  # info: nvidia.dali.types.BatchInfo
         epoch, index = _position(info, self.first_epoch, self.first_batch, self.plan.num_batches)
         draws = self.plan.batch_draws(epoch, index)
         if self.crops.padded:  # a short last batch, filled up to the reader's batch size with its last sample
             draws = draws + draws[-1:] * (self.plan.batch_size - len(draws))
-        outputs = self.crops.feed(epoch, index, draws)
-        if self.corners:
-            outputs.append(np.array([d.corner for d in draws], dtype=np.int32))
+        fed = self.crops.feed(epoch, index, draws)
+        if self.crops.cut_at_corners:
+            fed["corners"] = np.array([d.corner for d in draws], dtype=np.int32)
         if self.rotate_here:
-            outputs.extend(rotation_arrays(draws, self.augmenter))
-        return outputs
+            fed.update(rotation_arrays(draws, self.augmenter))
+        return [fed[name] for name in self.layouts]
 
 
 def _gather_channels(x, order: tuple[int, ...]):
@@ -284,35 +327,50 @@ def rotate(x, perm_index, flips, sign, num_channels: int, vectors: VectorGroups)
     return y * sign
 
 
-@pipeline_def(enable_conditionals=True)
-def _graph(feed: _Feed, crop_size: int, on_gpu: bool, dtype, channels_last: bool):
-    crops, augmenter = feed.crops, feed.augmenter
+def _source(feed: _Feed) -> dict[str, Any]:
+    """The external source's outputs, by name."""
     nodes = fn.external_source(
         feed,
-        num_outputs=feed.num_outputs,
+        num_outputs=len(feed.layouts),
         batch=True,
         batch_info=True,
         no_copy=True,
-        layout=crops.layouts + [""] * (feed.num_outputs - len(crops.layouts)),
+        layout=list(feed.layouts.values()),
     )
-    nodes = list(nodes) if isinstance(nodes, (list, tuple)) else [nodes]
-    given, args = nodes[: len(crops.layouts)], nodes[len(crops.layouts) :]
-    corners = args.pop(0) if feed.corners else None
-    inp, tar = crops.cut(given, corners, crop_size, on_gpu)
+    return dict(zip(feed.layouts, nodes))  # noqa: B905 (DALI's autograph knows no strict=)
+
+
+def _rotated(inputs, targets, fed: dict[str, Any], augmenter: Augmenter, on_gpu: bool):
+    """Inputs and targets turned by each sample's rotation, vector channels with them."""
+    input_signs, target_signs = fed["input_signs"], fed["target_signs"]
+    if on_gpu:
+        input_signs, target_signs = input_signs.gpu(), target_signs.gpu()
+    perm_index, flips = fed["perm_index"], fed["flips"]
+    inputs = rotate(inputs, perm_index, flips, input_signs, augmenter.in_channels, augmenter.in_vectors)
+    targets = rotate(targets, perm_index, flips, target_signs, augmenter.out_channels, augmenter.out_vectors)
+    return inputs, targets
+
+
+def _channels_last(x):
+    """CDHW to DHWC samples: NDHWC batches, the model's memory format."""
+    return fn.transpose(x, perm=[1, 2, 3, 0], transpose_layout=False)
+
+
+@pipeline_def(enable_conditionals=True)
+def _graph(feed: _Feed, crop_size: int, on_gpu: bool, dtype, channels_last: bool):
+    """Source, cut, rotate, layout, cast: the training batch's ``OUTPUTS``."""
+    crops = feed.crops
+    fed = _source(feed)  # source
+    inputs, targets = crops.cut(fed, crop_size, on_gpu)  # cut
     if crops.finished:  # the crops' own function made the training batch (ResidentCrops)
-        return inp, tar
-    if feed.rotate_here:
-        perm_index, flips, sign_in, sign_out = args
-        if on_gpu:
-            sign_in, sign_out = sign_in.gpu(), sign_out.gpu()
-        inp = rotate(inp, perm_index, flips, sign_in, augmenter.in_channels, augmenter.in_vectors)
-        tar = rotate(tar, perm_index, flips, sign_out, augmenter.out_channels, augmenter.out_vectors)
-    if channels_last and crops.layouts[:1] != ["DHWC"]:  # one transpose to NDHWC, the model's memory format
-        inp = fn.transpose(inp, perm=[1, 2, 3, 0], transpose_layout=False)
-        tar = fn.transpose(tar, perm=[1, 2, 3, 0], transpose_layout=False)
-    if dtype != types.FLOAT:
-        inp = fn.cast(inp, dtype=dtype)
-    return inp, tar
+        return inputs, targets
+    if feed.rotate_here:  # rotate
+        inputs, targets = _rotated(inputs, targets, fed, feed.augmenter, on_gpu)
+    if channels_last and not crops.channels_last:  # layout
+        inputs, targets = _channels_last(inputs), _channels_last(targets)
+    if dtype != types.FLOAT:  # cast
+        inputs = fn.cast(inputs, dtype=dtype)
+    return inputs, targets
 
 
 class DaliLoader:
@@ -330,7 +388,7 @@ class DaliLoader:
         *,
         plan: DrawPlan,
         augmenter: Augmenter,
-        crops: Crops,
+        crops: CropSource,
         device_id: int | None,
         dtype: torch.dtype,
         first_epoch: int = 0,
@@ -355,7 +413,7 @@ class DaliLoader:
             seed=0,  # the graph draws nothing itself: all randomness comes from the plan
         )
         # The epoch ends when the feed raises StopIteration; auto_reset starts the next one.
-        self._iterator = DALIGenericIterator([pipe], ["inp", "tar"], auto_reset=True)
+        self._iterator = DALIGenericIterator([pipe], list(OUTPUTS), auto_reset=True)
 
     @property
     def batcher(self) -> CropBatcher | None:
@@ -371,12 +429,12 @@ class DaliLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         first, self._first_batch = self._first_batch, 0
         for index, batch in enumerate(self._iterator, first):
-            inp, tar = batch[0]["inp"], batch[0]["tar"]
+            inputs, targets = (batch[0][name] for name in OUTPUTS)
             if self.crops.padded:  # the samples that fill up a short last batch go
                 size = min(self.plan.batch_size, self.plan.num_samples - index * self.plan.batch_size)
-                inp, tar = inp[:size], tar[:size]
+                inputs, targets = inputs[:size], targets[:size]
             if self.channels_last:  # NDHWC in memory, seen as NCDHW: channels_last_3d strides, no copy
-                inp, tar = inp.permute(0, 4, 1, 2, 3), tar.permute(0, 4, 1, 2, 3)
-            if inp.dtype != self.dtype:  # bfloat16 only: one cast kernel per batch (keeps the memory format)
-                inp = inp.to(self.dtype)
-            yield inp, tar
+                inputs, targets = inputs.permute(0, 4, 1, 2, 3), targets.permute(0, 4, 1, 2, 3)
+            if inputs.dtype != self.dtype:  # bfloat16 only: one cast kernel per batch (keeps the memory format)
+                inputs = inputs.to(self.dtype)
+            yield inputs, targets

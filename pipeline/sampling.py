@@ -92,7 +92,9 @@ class Augmenter:
 
     def reference(self, volumes: VolumePair, draw: SampleDraw, crop_size: int) -> tuple[np.ndarray, np.ndarray]:
         """The numpy reference of one augmented sample, which every backend must reproduce exactly."""
-        inp = np.empty((self.in_channels,) + (crop_size,) * 3, dtype=np.float32)
-        tar = np.empty((self.out_channels,) + (crop_size,) * 3, dtype=np.float32)
-        volumes.cut(draw.corner, crop_size, ROTATIONS[draw.rotation], (self.in_vectors, self.out_vectors), inp, tar)
-        return inp, tar
+        inputs = np.empty((self.in_channels,) + (crop_size,) * 3, dtype=np.float32)
+        targets = np.empty((self.out_channels,) + (crop_size,) * 3, dtype=np.float32)
+        volumes.cut(
+            draw.corner, crop_size, ROTATIONS[draw.rotation], (self.in_vectors, self.out_vectors), inputs, targets
+        )
+        return inputs, targets

@@ -167,10 +167,10 @@ class VolumePair:
         """The same volumes read into memory as contiguous float32 CDHW arrays."""
         return VolumePair(self.files, _to_memory(self.nbody), _to_memory(self.hydro))
 
-    def read_crop(self, corner: tuple[int, int, int], size: int, inp: np.ndarray, tar: np.ndarray) -> None:
-        """Copy the crop of ``size``^3 at ``corner`` into ``inp`` and ``tar`` as it is."""
+    def read_crop(self, corner: tuple[int, int, int], size: int, inputs: np.ndarray, targets: np.ndarray) -> None:
+        """Copy the crop of ``size``^3 at ``corner`` into ``inputs`` and ``targets`` as it is."""
         window = _window(corner, size)
-        for volume, out in ((self.nbody, inp), (self.hydro, tar)):
+        for volume, out in ((self.nbody, inputs), (self.hydro, targets)):
             if isinstance(volume, h5py.Dataset) and volume.dtype == np.float32:
                 volume.read_direct(out, window)
             else:
@@ -182,12 +182,12 @@ class VolumePair:
         size: int,
         rot: Rotation,
         groups: tuple[VectorGroups, VectorGroups],
-        inp: np.ndarray,
-        tar: np.ndarray,
+        inputs: np.ndarray,
+        targets: np.ndarray,
     ) -> None:
-        """Cut the crop at ``corner`` rotated by ``rot`` into ``inp`` and ``tar``: one copy from memory."""
+        """Cut the crop at ``corner`` rotated by ``rot`` into ``inputs`` and ``targets``: one copy from memory."""
         window = _window(corner, size)
-        for volume, vectors, out in ((self.nbody, groups[0], inp), (self.hydro, groups[1], tar)):
+        for volume, vectors, out in ((self.nbody, groups[0], inputs), (self.hydro, groups[1], targets)):
             crop = volume[window]  # a view of an in-memory array; a read for h5py datasets
             rotate_into(crop, rot, vectors, out)
 

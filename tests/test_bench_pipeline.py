@@ -23,9 +23,9 @@ def test_baseline_produces_the_reference_samples(tiny_data):
     dataset = ReferenceStyleCrops(tiny_data["train"], plan)
     volumes = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, 8)
     for i in range(len(dataset)):
-        inp, tar = dataset[i]
+        inputs, targets = dataset[i]
         ref_inp, ref_tar = AUG.reference(volumes, plan.batch_draws(0, i // 8)[i % 8], 8)
-        assert np.array_equal(inp.numpy(), ref_inp) and np.array_equal(tar.numpy(), ref_tar)
+        assert np.array_equal(inputs.numpy(), ref_inp) and np.array_equal(targets.numpy(), ref_tar)
 
 
 def test_timing_discards_warmup_batches():
@@ -115,14 +115,14 @@ def test_the_limit_copies_the_same_crops_unrotated(tiny_data):
     volumes = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, 8).load()
     plan = DrawPlan(seed=0, num_samples=10, batch_size=4, box_size=32, crop_size=8, rotate=True)
     limit = PlainCopies(volumes, plan, threads=2, device=torch.device("cpu"))
-    batches = [(inp.clone(), tar.clone()) for inp, tar in limit]
+    batches = [(inputs.clone(), targets.clone()) for inputs, targets in limit]
     limit.close()
-    assert [len(inp) for inp, _ in batches] == [4, 4, 2]
-    for b, (inp, tar) in enumerate(batches):
+    assert [len(inputs) for inputs, _ in batches] == [4, 4, 2]
+    for b, (inputs, targets) in enumerate(batches):
         for j, draw in enumerate(plan.batch_draws(0, b)):
             x, y, z = draw.corner
-            assert np.array_equal(inp[j].numpy(), volumes.nbody[:, x : x + 8, y : y + 8, z : z + 8])
-            assert np.array_equal(tar[j].numpy(), volumes.hydro[:, x : x + 8, y : y + 8, z : z + 8])
+            assert np.array_equal(inputs[j].numpy(), volumes.nbody[:, x : x + 8, y : y + 8, z : z + 8])
+            assert np.array_equal(targets[j].numpy(), volumes.hydro[:, x : x + 8, y : y + 8, z : z + 8])
 
 
 def test_records_are_written_as_cases_finish_so_a_run_stopped_early_keeps_them(tiny_data, tmp_path):

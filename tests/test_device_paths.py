@@ -69,16 +69,16 @@ def test_device_rotation_equals_reference_for_all_24(volumes, device_type, backe
     loader = _loader(backend, device, volumes, source, storage_dtype, dtype)
     half = storage_dtype == "float16"
     for epoch in range(2):
-        batches = [(inp.cpu(), tar.cpu()) for inp, tar in loader]
+        batches = [(inputs.cpu(), targets.cpu()) for inputs, targets in loader]
         assert len(batches) == PLAN.num_batches == 7 and len(batches[-1][0]) == 4
-        for b, (inp, tar) in enumerate(batches):
-            assert inp.dtype == dtype and tar.dtype == torch.float32
+        for b, (inputs, targets) in enumerate(batches):
+            assert inputs.dtype == dtype and targets.dtype == torch.float32
             for j, draw in enumerate(PLAN.batch_draws(epoch, b)):
                 ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
                 if half:  # the input volume itself was rounded to float16 (the targets stay float32); rotating is exact
                     ref_inp = ref_inp.astype(np.float16)
-                assert torch.equal(inp[j], torch.from_numpy(ref_inp).to(dtype)), (epoch, b, j, draw)
-                assert torch.equal(tar[j], torch.from_numpy(ref_tar)), (epoch, b, j, draw)
+                assert torch.equal(inputs[j], torch.from_numpy(ref_inp).to(dtype)), (epoch, b, j, draw)
+                assert torch.equal(targets[j], torch.from_numpy(ref_tar)), (epoch, b, j, draw)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -89,10 +89,10 @@ def test_general_vector_layouts(volumes, backend):
     plan = EveryRotation(seed=0, num_samples=24, batch_size=24, box_size=32, crop_size=CROP, rotate=True)
     device = torch.device(DEVICES[-1], 0) if DEVICES[-1] == "cuda" else torch.device("cpu")
     loader = _loader(backend, device, vols, "batcher", "float32", torch.float32, aug=aug, plan=plan)
-    ((inp, tar),) = [(i.cpu(), t.cpu()) for i, t in loader]
+    ((inputs, targets),) = [(i.cpu(), t.cpu()) for i, t in loader]
     for j, draw in enumerate(plan.batch_draws(0, 0)):
         ref_inp, ref_tar = aug.reference(vols, draw, CROP)
-        assert np.array_equal(inp[j].numpy(), ref_inp) and np.array_equal(tar[j].numpy(), ref_tar)
+        assert np.array_equal(inputs[j].numpy(), ref_inp) and np.array_equal(targets[j].numpy(), ref_tar)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -103,11 +103,13 @@ def test_gpu_storage_modes_give_the_same_samples(volumes, tiny_data, backend, st
     opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP)
     settings = LoaderSettings(backend, storage, "float32", threads=2, lookahead=2)
     loader = build_loader(opened, plan, AUG, settings, torch.device("cuda", 0), torch.float32)
-    for b, (inp, tar) in enumerate(loader):
-        assert inp.device.type == "cuda"
+    for b, (inputs, targets) in enumerate(loader):
+        assert inputs.device.type == "cuda"
         for j, draw in enumerate(plan.batch_draws(0, b)):
             ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
-            assert np.array_equal(inp[j].cpu().numpy(), ref_inp) and np.array_equal(tar[j].cpu().numpy(), ref_tar)
+            assert np.array_equal(inputs[j].cpu().numpy(), ref_inp) and np.array_equal(
+                targets[j].cpu().numpy(), ref_tar
+            )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -125,7 +127,7 @@ def test_gpu_batches_of_the_torch_backend_need_no_host_sync(tiny_data, storage):
         rest = list(batches)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(rest) == 2 and all(inp.is_contiguous(memory_format=torch.channels_last_3d) for inp, _ in rest)
+    assert len(rest) == 2 and all(inputs.is_contiguous(memory_format=torch.channels_last_3d) for inputs, _ in rest)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -141,11 +143,11 @@ def test_batches_held_on_the_gpu_keep_their_samples(volumes, tiny_data, storage)
     with torch.cuda.stream(loader.copy_stream):
         torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the first copy
     held = list(loader)
-    for b, (inp, tar) in enumerate(held):
+    for b, (inputs, targets) in enumerate(held):
         for j, draw in enumerate(plan.batch_draws(0, b)):
             ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
-            assert np.array_equal(inp[j].cpu().numpy(), ref_inp), (b, j)
-            assert np.array_equal(tar[j].cpu().numpy(), ref_tar), (b, j)
+            assert np.array_equal(inputs[j].cpu().numpy(), ref_inp), (b, j)
+            assert np.array_equal(targets[j].cpu().numpy(), ref_tar), (b, j)
 
 
 def _median_batch_s(loader, batches: int, device: torch.device) -> float:
@@ -154,7 +156,7 @@ def _median_batch_s(loader, batches: int, device: torch.device) -> float:
     next(iterator)
     for _ in range(batches):
         start = time.perf_counter()
-        inp, _ = next(iterator)
+        inputs, _ = next(iterator)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -230,7 +232,7 @@ def test_dali_cuts_crops_without_copying_the_volume(device_type, storage):
 def test_the_cutter_gives_the_reference_from_volumes_and_from_crops(volumes, channels_last, source):
     """Every sample of the 24 rotations, in both layouts, from resident volumes and from a batch of unrotated
     crops (the torch backend's GPU path for crops the CPU cut)."""
-    from pipeline.torch_backend import DeviceCutter
+    from pipeline.device_cut import DeviceCutter
 
     plan = EveryRotation(seed=0, num_samples=24, batch_size=24, box_size=32, crop_size=CROP, rotate=True)
     draws = plan.batch_draws(0, 0)
@@ -244,11 +246,13 @@ def test_the_cutter_gives_the_reference_from_volumes_and_from_crops(volumes, cha
         ]
         sources = tuple(torch.from_numpy(np.stack(c)) for c in crops)
     args = cutter.arguments(draws, cut_already=source == "crops")
-    inp, tar = cutter(sources, args, (torch.float16, torch.float32), channels_last)
-    assert inp.dtype == torch.float16 and inp.is_contiguous(memory_format=torch.channels_last_3d) == channels_last
+    inputs, targets = cutter(sources, args, (torch.float16, torch.float32), channels_last)
+    assert inputs.dtype == torch.float16 and inputs.is_contiguous(memory_format=torch.channels_last_3d) == channels_last
     for j, draw in enumerate(draws):
         ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
-        assert torch.equal(inp[j], torch.from_numpy(ref_inp).half()) and torch.equal(tar[j], torch.from_numpy(ref_tar))
+        assert torch.equal(inputs[j], torch.from_numpy(ref_inp).half()) and torch.equal(
+            targets[j], torch.from_numpy(ref_tar)
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -268,10 +272,12 @@ def test_gpu_resident_batches_cut_ahead_wait_for_nothing_they_should_not(volumes
     )
     torch.cuda.synchronize()
     kept = []
-    for inp, tar in loader:
+    for inputs, targets in loader:
         torch.cuda._sleep(50_000_000)  # the training stream stays busy while the next batch is cut
-        kept.append((inp * 1, tar * 1))  # read on the training stream, after the sleep
-    for b, (inp, tar) in enumerate(kept):
+        kept.append((inputs * 1, targets * 1))  # read on the training stream, after the sleep
+    for b, (inputs, targets) in enumerate(kept):
         for j, draw in enumerate(PLAN.batch_draws(0, b)):
             ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
-            assert np.array_equal(inp[j].cpu().numpy(), ref_inp) and np.array_equal(tar[j].cpu().numpy(), ref_tar)
+            assert np.array_equal(inputs[j].cpu().numpy(), ref_inp) and np.array_equal(
+                targets[j].cpu().numpy(), ref_tar
+            )

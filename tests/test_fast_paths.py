@@ -29,8 +29,8 @@ def volumes(tiny_data):
 
 def _epoch(loader):
     return [
-        (inp.clone(memory_format=torch.preserve_format), tar.clone(memory_format=torch.preserve_format))
-        for inp, tar in loader
+        (inputs.clone(memory_format=torch.preserve_format), targets.clone(memory_format=torch.preserve_format))
+        for inputs, targets in loader
     ]
 
 
@@ -87,12 +87,12 @@ def test_channels_last_gradients_match_the_plain_path():
     net.init_weights(conv_scale=0.1, conv_bias=0.0)
     x, y = torch.randn(2, 4, 16, 16, 16), torch.rand(2, 5, 16, 16, 16) - 0.5
     grads = []
-    for inp in (x, x.contiguous(memory_format=CHANNELS_LAST)):
+    for inputs in (x, x.contiguous(memory_format=CHANNELS_LAST)):
         net.zero_grad()
-        out = net(inp)
+        out = net(inputs)
         Loss()(out, y).backward()
         grads.append([p.grad.clone() for p in net.parameters()])
-        if inp.is_contiguous(memory_format=CHANNELS_LAST):
+        if inputs.is_contiguous(memory_format=CHANNELS_LAST):
             assert out.is_contiguous(memory_format=CHANNELS_LAST)  # the format carries through the network
     for plain, fast in zip(*grads, strict=True):
         torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-7)

@@ -32,20 +32,26 @@ def volumes(tiny_data):
 
 
 def _epoch(loader):
-    return [(inp.clone(), tar.clone()) for inp, tar in loader]
+    return [(inputs.clone(), targets.clone()) for inputs, targets in loader]
 
 
 def _check_against_reference(loader, plan, volumes, epochs=2):
     for epoch in range(epochs):
         batches = _epoch(loader)
         assert len(batches) == len(loader) == plan.num_batches
-        for b, (inp, tar) in enumerate(batches):
+        for b, (inputs, targets) in enumerate(batches):
             draws = plan.batch_draws(epoch, b)
-            assert inp.shape == (len(draws), 4, CROP, CROP, CROP) and tar.shape == (len(draws), 5, CROP, CROP, CROP)
+            assert inputs.shape == (len(draws), 4, CROP, CROP, CROP) and targets.shape == (
+                len(draws),
+                5,
+                CROP,
+                CROP,
+                CROP,
+            )
             for j, draw in enumerate(draws):
                 ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
-                assert np.array_equal(inp[j].numpy(), ref_inp), (epoch, b, j, draw)
-                assert np.array_equal(tar[j].numpy(), ref_tar), (epoch, b, j, draw)
+                assert np.array_equal(inputs[j].numpy(), ref_inp), (epoch, b, j, draw)
+                assert np.array_equal(targets[j].numpy(), ref_tar), (epoch, b, j, draw)
 
 
 def _batcher(volumes, plan, rotate_here, hold=2):
@@ -70,15 +76,15 @@ def test_cpu_batches_of_the_torch_backend_are_read_in_place_and_stay_intact_thro
             volumes, plan, AUG, LoaderSettings("torch", "host", "float32", 2, lookahead), CPU, torch.float32
         )
         previous, buffers = None, set()
-        for b, (inp, tar) in enumerate(loader):
-            buffers.add(inp.untyped_storage().data_ptr())
+        for b, (inputs, targets) in enumerate(loader):
+            buffers.add(inputs.untyped_storage().data_ptr())
             if previous is not None:  # the batch before this one, untouched although this one was cut since
                 for j, draw in enumerate(plan.batch_draws(0, b - 1)):
                     ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)
                     assert np.array_equal(previous[0][j].numpy(), ref_inp) and np.array_equal(
                         previous[1][j].numpy(), ref_tar
                     )
-            previous = (inp, tar)
+            previous = (inputs, targets)
         loader.close()
         assert len(buffers) == lookahead + 2  # the ring's buffers, reused: no new tensor per batch
 
@@ -89,10 +95,12 @@ def test_inputs_in_training_dtype_targets_in_float32(volumes, backend, dtype):
     plan = _plan(num_samples=8)
     settings = LoaderSettings(backend, "host", "float32", threads=1, lookahead=1)
     loader = build_loader(volumes, plan, AUG, settings, CPU, dtype)
-    ((inp, tar),) = _epoch(loader)
-    assert inp.dtype == dtype and inp.is_contiguous() and tar.dtype == torch.float32
+    ((inputs, targets),) = _epoch(loader)
+    assert inputs.dtype == dtype and inputs.is_contiguous() and targets.dtype == torch.float32
     ref_inp, ref_tar = AUG.reference(volumes, plan.batch_draws(0, 0)[3], CROP)
-    assert torch.equal(inp[3], torch.from_numpy(ref_inp).to(dtype)) and torch.equal(tar[3], torch.from_numpy(ref_tar))
+    assert torch.equal(inputs[3], torch.from_numpy(ref_inp).to(dtype)) and torch.equal(
+        targets[3], torch.from_numpy(ref_tar)
+    )
 
 
 def _npy_files(tmp_path, volumes, layout):
@@ -158,10 +166,12 @@ class CopyInFlight:
     the batch's buffer must keep what the copy reads."""
 
     def __init__(self, batch):
-        self.batch, self.expected, self.done = batch, (batch.inp.copy(), batch.tar.copy()), False
+        self.batch, self.expected, self.done = batch, (batch.inputs.copy(), batch.targets.copy()), False
 
     def synchronize(self):
-        intact = np.array_equal(self.batch.inp, self.expected[0]) and np.array_equal(self.batch.tar, self.expected[1])
+        intact = np.array_equal(self.batch.inputs, self.expected[0]) and np.array_equal(
+            self.batch.targets, self.expected[1]
+        )
         assert intact, "the batcher cut into a buffer before the copy from it was done"
         self.done = True
 
