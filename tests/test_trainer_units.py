@@ -38,7 +38,7 @@ def test_a_micro_batch_that_does_not_fit_is_one_line_saying_what_to_lower():
     was free; a message without them still names the micro-batch and what to lower."""
     import torch
 
-    from trainer.trainer import out_of_memory
+    from trainer.errors import out_of_memory
 
     torch_says = (
         "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which 1.50 GiB "

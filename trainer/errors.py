@@ -1,6 +1,10 @@
 """The errors of the trainer and its commands. Bad input (``USER_ERRORS``) is one error line and exit status 2 in
 every command; a run that diverged (``NumericalError``) exits with status 3."""
 
+import re
+
+import torch
+
 from pipeline.volumes import DataError
 
 
@@ -26,3 +30,17 @@ class NumericalError(RuntimeError):
 
 # Bad input: config, data, environment, checkpoint, hostfile.
 USER_ERRORS = (ConfigError, DataError, DistError, CheckpointError, HostfileError)
+
+
+def out_of_memory(err: torch.OutOfMemoryError, micro_batch: int, crop: int, device: str, where: str) -> ConfigError:
+    """The one line for a micro-batch that does not fit: where, what was asked and what was free (from torch's
+    message, which says it for CUDA), and what to lower."""
+    text = " ".join(str(err).split())
+    asked = re.search(r"Tried to allocate ([\d.]+ \w+)", text)
+    free = re.search(r"total capacity of ([\d.]+ \w+) of which ([\d.]+ \w+) is free", text)
+    memory = ", ".join(([f"{asked[1]} asked"] if asked else []) + ([f"{free[2]} free of {free[1]}"] if free else []))
+    return ConfigError(
+        f"a micro-batch of {micro_batch} crops of {crop}^3 does not fit in the memory of {device} at {where}"
+        f"{f' ({memory})' if memory else ''}: lower micro_batch_size (gradient accumulation keeps the global batch) "
+        "or data_size"
+    )

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
 import platform
+import socket
 import subprocess
 from dataclasses import dataclass
 from importlib import metadata
@@ -11,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as torch_dist
+
+log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,6 +63,30 @@ def software() -> dict[str, Any]:
         "dali": _version("nvidia-dali-cuda120") or _version("nvidia-dali-cuda130"),
         "python": platform.python_version(),
     }
+
+
+def tensor_digest(tensors: Any) -> str:
+    """sha256 of tensors' float32 values, in order: equal digests, equal values."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def rank_facts(module: torch.nn.Module, first_batch_digest: str | None, world_size: int) -> dict[str, Any]:
+    """Per rank, gathered from all (a collective): the host it ran on, the digest of its weights (equal when the
+    ranks are in sync, an error line where they differ) and of the first batch it drew (different crops per rank)."""
+    gathered: list[Any] = [None] * world_size
+    mine = (socket.gethostname(), tensor_digest(module.parameters()), first_batch_digest)
+    torch_dist.all_gather_object(gathered, mine)
+    facts = {
+        "rank_hosts": [g[0] for g in gathered],
+        "rank_weight_digests": [g[1] for g in gathered],
+        "rank_first_batch_digests": [g[2] for g in gathered],
+    }
+    if len(set(facts["rank_weight_digests"])) > 1:
+        log.error("the ranks' weights differ at the end of training: %s", facts["rank_weight_digests"])
+    return facts
 
 
 # Where a copy of the project made for a machine without its repository keeps the commit it was copied from

@@ -1,19 +1,15 @@
 """The training loop: a DeepSpeed engine fed by DALI, validated every epoch, checkpointed, resumable.
 
-The micro-step itself is ``trainer.step.micro_step``, which the benchmarks and tests run too; ``evaluate`` is a
-plain function for the same reason.
+The micro-step itself is ``trainer.step.micro_step``, which the benchmarks and tests run too; validation is
+``trainer.validation``; what a log point says about learning, ``trainer.numerics``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
-import socket
 import statistics
 import sys
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,53 +19,22 @@ import torch.distributed as torch_dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from model import Loss
-from model.predict import compare_box
-from trainer.build import build_data, build_engine, build_loss, normalization, run_facts
+from trainer.build import build_data, build_engine, build_loss, run_facts
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import Config
 from trainer.dist import Device, DistEnv, device_name
-from trainer.engine import (
-    loss_scale,
-    precision_name,
-)
-from trainer.errors import ConfigError, DistError
+from trainer.engine import loss_scale, precision_name
+from trainer.errors import DistError, out_of_memory
 from trainer.numerics import LearningWatch
 from trainer.preemption import StopRequest
 from trainer.profiling import StepProfiler
-from trainer.provenance import software
+from trainer.provenance import rank_facts, software, tensor_digest
 from trainer.rundir import PROFILE, RunDir
 from trainer.runlog import RunLog
 from trainer.step import StepGuard, micro_step, phase
+from trainer.validation import evaluate, science_scalars
 
 log = logging.getLogger(__name__)
-
-
-@torch.no_grad()
-def evaluate(engine: Any, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], loss_fn: Loss) -> float:
-    """Mean validation loss per sample over all ranks (one reduction of [sum, count])."""
-    engine.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
-    for inputs, targets in loader:
-        totals[0] += loss_fn(engine(inputs), targets) * inputs.shape[0]
-        totals[1] += inputs.shape[0]
-    engine.train()
-    torch_dist.all_reduce(totals)
-    return float(totals[0] / totals[1])
-
-
-def out_of_memory(err: torch.OutOfMemoryError, micro_batch: int, crop: int, device: str, where: str) -> ConfigError:
-    """The one line for a micro-batch that does not fit: where, what was asked and what was free (from torch's
-    message, which says it for CUDA), and what to lower."""
-    text = " ".join(str(err).split())
-    asked = re.search(r"Tried to allocate ([\d.]+ \w+)", text)
-    free = re.search(r"total capacity of ([\d.]+ \w+) of which ([\d.]+ \w+) is free", text)
-    memory = ", ".join(([f"{asked[1]} asked"] if asked else []) + ([f"{free[2]} free of {free[1]}"] if free else []))
-    return ConfigError(
-        f"a micro-batch of {micro_batch} crops of {crop}^3 does not fit in the memory of {device} at {where}"
-        f"{f' ({memory})' if memory else ''}: lower micro_batch_size (gradient accumulation keeps the global batch) "
-        "or data_size"
-    )
 
 
 @dataclass
@@ -174,26 +139,13 @@ class Trainer:
         log.info("checkpoint %s saved", tag)
 
     def _science_metrics(self) -> None:
-        """Rank 0 predicts the validation box (or its fixed sub-volume at the origin, science_box_size, taken
-        as periodic), tiled as ``python -m model.predict`` does, and logs the statistics of model.metrics
-        (L1 per channel, power-spectrum ratio and r(k) at low k)."""
+        """Rank 0 predicts the validation box and logs its science metrics (``science_scalars``)."""
         if self.dist.is_main:
-            cfg, volumes = self.cfg, self.data.val
-            side = cfg.science_box_size or volumes.nbody.shape[1]
-            micro = self.engine.train_micro_batch_size_per_gpu()
-            norm = normalization(cfg, "val")
-            metrics = compare_box(
-                self.engine.module, volumes.nbody, volumes.hydro, norm, cfg.data_size, micro, self.engine.device, side
-            )
-            scalars = {"science/box_size": float(side)}
-            scalars |= {f"science/l1_{name}": value for name, value in metrics["l1"].items()}
-            # a k range with no shell the truth resolves has no median: nothing to log
-            scalars |= {f"science/{name}": value for name, value in metrics["summary"].items() if value is not None}
+            scalars = science_scalars(self.engine, self.data.val, self.cfg)
             self.runlog.write(self.engine.global_steps, epoch=self.epoch + 1, **scalars)
             log.info(
                 "science metrics: %s", ", ".join(f"{k.removeprefix('science/')} {v:.4f}" for k, v in scalars.items())
             )
-        self.engine.train()
 
     def _gather_losses(self, interval: Interval) -> tuple[float, list[float]]:
         """Training loss over the interval: the mean over ranks, and each rank's.
@@ -208,24 +160,6 @@ class Trainer:
         totals = torch.stack(per_rank).cpu()
         mean = float(totals[:, 0].sum() / totals[:, 1].sum()) if totals[:, 1].sum() else float("nan")
         return mean, (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
-
-    def _rank_digests(self) -> dict[str, Any]:
-        """Per rank: the host it ran on, sha256 of its weights (equal when ranks are in sync) and of the first batch
-        it drew; and the rendezvous every rank used."""
-        weights = hashlib.sha256()
-        for p in self.engine.module.parameters():
-            weights.update(p.detach().float().cpu().numpy().tobytes())
-        gathered: list[Any] = [None] * self.dist.world_size
-        torch_dist.all_gather_object(gathered, (socket.gethostname(), weights.hexdigest(), self.first_batch_digest))
-        digests = {
-            "rendezvous": f"{self.dist.master_addr}:{self.dist.master_port}",
-            "rank_hosts": [g[0] for g in gathered],
-            "rank_weight_digests": [g[1] for g in gathered],
-            "rank_first_batch_digests": [g[2] for g in gathered],
-        }
-        if len(set(digests["rank_weight_digests"])) > 1:
-            log.error("the ranks' weights differ at the end of training: %s", digests["rank_weight_digests"])
-        return digests
 
     def train(self) -> dict[str, Any]:
         """Train to the end (or a stop request); a micro-batch that does not fit in GPU memory is a one-line error."""
@@ -285,32 +219,7 @@ class Trainer:
                 engine.global_steps,
             )
 
-        # The first interval holds start-up work (kernel selection, first batches): not a rate.
-        measured = intervals[1:] or intervals
-        summary = {
-            "config": self.name,
-            "initial_val_loss": self.initial_val_loss,
-            "final_val_loss": val_loss,
-            "epochs": self.epoch,
-            "finished": self.epoch == cfg.num_epochs,
-            "preempted": stopped,
-            "resumed_from": None
-            if self.resumed_at is None
-            else {"epoch": self.resumed_at[0], "batch_in_epoch": self.resumed_at[1]},
-            "steps": engine.global_steps,
-            "skipped_steps": engine.skipped_steps,
-            "last_loss_scale": loss_scale(engine),
-            "weights_changed": self.watch.weights_changed(),
-            "nonfinite_losses": self.guard.nonfinite_losses,
-            "wall_s": round(time.perf_counter() - wall_start, 3),
-            "samples_per_s": statistics.median(m["throughput/samples_per_s"] for m in measured) if measured else None,
-            "data_wait_pct": statistics.median(m["data_wait_pct"] for m in measured) if measured else None,
-            **run_facts(self.setup, self.data, self.dist),
-            "launched_by": self.dist.source,
-            "device": device_name(self.device),
-            **software(),
-            **self._rank_digests(),
-        }
+        summary = self._summary(intervals, val_loss, stopped, time.perf_counter() - wall_start)
         self.run.write_summary(summary)
         if self.profiler is not None:
             self.profiler.stop()
@@ -319,6 +228,38 @@ class Trainer:
         if not stopped:
             log.info("done: validation loss %.5f -> %.5f in %.1f s", self.initial_val_loss, val_loss, summary["wall_s"])
         return summary
+
+    def _summary(
+        self, intervals: list[dict[str, float]], val_loss: float | None, stopped: bool, wall_s: float
+    ) -> dict[str, Any]:
+        """summary.json: how the run went, what learned, how fast, and what ran where (a collective: every rank)."""
+        # The first interval holds start-up work (kernel selection, first batches): not a rate.
+        measured = intervals[1:] or intervals
+        return {
+            "config": self.name,
+            "initial_val_loss": self.initial_val_loss,
+            "final_val_loss": val_loss,
+            "epochs": self.epoch,
+            "finished": self.epoch == self.cfg.num_epochs,
+            "preempted": stopped,
+            "resumed_from": None
+            if self.resumed_at is None
+            else {"epoch": self.resumed_at[0], "batch_in_epoch": self.resumed_at[1]},
+            "steps": self.engine.global_steps,
+            "skipped_steps": self.engine.skipped_steps,
+            "last_loss_scale": loss_scale(self.engine),
+            "weights_changed": self.watch.weights_changed(),
+            "nonfinite_losses": self.guard.nonfinite_losses,
+            "wall_s": round(wall_s, 3),
+            "samples_per_s": statistics.median(m["throughput/samples_per_s"] for m in measured) if measured else None,
+            "data_wait_pct": statistics.median(m["data_wait_pct"] for m in measured) if measured else None,
+            **run_facts(self.setup, self.data, self.dist),
+            "launched_by": self.dist.source,
+            "device": device_name(self.device),
+            **software(),
+            "rendezvous": f"{self.dist.master_addr}:{self.dist.master_port}",
+            **rank_facts(self.engine.module, self.first_batch_digest, self.dist.world_size),
+        }
 
     def _train_epoch(self, intervals: list[dict[str, float]], show_bar: bool) -> bool:
         """Train the rest of epoch ``self.epoch``; True when stopped on request (after a checkpoint)."""
@@ -343,7 +284,7 @@ class Trainer:
             interval.data_wait_s += time.perf_counter() - wait_start
             self.batch_in_epoch += 1
             if self.first_batch_digest is None:  # once per run: which crops this rank drew
-                self.first_batch_digest = hashlib.sha256(inputs.float().cpu().numpy().tobytes()).hexdigest()
+                self.first_batch_digest = tensor_digest([inputs])
             step_before = engine.global_steps
             loss = micro_step(
                 engine, inputs, targets, self.loss_fn, self.guard, self._where, after_backward=self.watch.after_backward
