@@ -35,8 +35,8 @@ from bench.flops import model_flops, utilization
 from common.cli import output_file
 from model import UNetSpec
 from trainer.build import (
-    Data,
     EngineSetup,
+    RunData,
     build_data,
     build_engine,
     build_loss,
@@ -122,7 +122,7 @@ class TrainBench:
     """One process's benchmark: the run's data and engine, built as the trainer builds them, and the four ways to
     step them."""
 
-    def __init__(self, cfg: Config, dist: DistEnv, device: Device, data: Data, setup: EngineSetup) -> None:
+    def __init__(self, cfg: Config, dist: DistEnv, device: Device, data: RunData, setup: EngineSetup) -> None:
         self.cfg, self.dist, self.device, self.setup = cfg, dist, device, setup
         self.cuda = device.type == "cuda"
         self.engine = engine = setup.engine

@@ -61,10 +61,9 @@ def effective_storage(storage: Storage, device_type: str) -> Storage:
 
 
 def resolve_backend(backend: Backend | Auto, device_type: str, storage: Storage) -> Backend:
-    """``auto`` is torch on a CPU, where the batcher's single fused copy measured about 4x faster than DALI's CPU
-    operators at 64^3, and for volumes resident on a GPU, where both backends cut with the same ``DeviceCutter``
-    and DALI adds two copies (and measured slower in training on an H200: docs/data.md); DALI for the GPU's other
-    storage modes, where it reads and cuts on its own threads."""
+    """``auto`` is torch on a CPU, where the batcher's single fused copy is faster than DALI's CPU operators, and for
+    volumes resident on a GPU, where both backends cut with the same ``DeviceCutter`` and DALI adds two copies; DALI
+    for the GPU's other storage modes, where it reads and cuts on its own threads. The measurements: docs/data.md."""
     if backend != "auto":
         return backend
     return "dali" if device_type == "cuda" and storage != "device" else "torch"

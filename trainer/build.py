@@ -123,7 +123,7 @@ def validation_share(num_samples: int, batch: int, last_batch: str, rank: int, w
 
 
 @dataclass
-class Data:
+class RunData:
     """A run's volumes, opened and checked, and how its loaders keep and cut them."""
 
     cfg: Config
@@ -184,7 +184,7 @@ class Data:
         return self._loader(self.val, plan, device, dtype)
 
 
-def build_data(cfg: Config, dist: DistEnv, device: Device) -> Data:
+def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
     """The storage mode and backend for this device (said once, with the keys they leave unused), the volumes
     opened and checked (shapes, channels, NaN or Inf), and the host or GPU memory they need checked."""
     storage = effective_storage(cfg.storage, device.type)
@@ -220,7 +220,7 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> Data:
     channels = cfg.N_in_channels + cfg.N_out_channels
     buffers = batch_buffer_bytes(settings, micro, cfg.data_size, channels, cfg.data_format)
     check_memory([train, val], settings, dist.local_world_size, buffers)
-    return Data(cfg, settings, train, val)
+    return RunData(cfg, settings, train, val)
 
 
 def engine_config(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
@@ -313,7 +313,7 @@ def build_engine(cfg: Config, dist: DistEnv, device: Device) -> EngineSetup:
     return EngineSetup(engine, schedule, ds_config, train_dtype(engine), parameters, steps_per_epoch)
 
 
-def run_facts(setup: EngineSetup, data: Data, dist: DistEnv) -> dict[str, Any]:
+def run_facts(setup: EngineSetup, data: RunData, dist: DistEnv) -> dict[str, Any]:
     """What a run trains with, under the same keys in its summary.json and in the benchmarks' records."""
     engine = setup.engine
     return {
