@@ -48,6 +48,7 @@ from trainer.config import Config, build_config, config_parser, load_named, pars
 from trainer.dist import Device, DistEnv, init_distributed
 from trainer.engine import precision_name
 from trainer.errors import USER_ERRORS
+from trainer.provenance import rank_hosts
 from trainer.rundir import configure_logging
 from trainer.step import StepGuard, micro_step
 
@@ -317,8 +318,7 @@ def measure(argv: list[str] | None) -> None:
     try:
         flops = model_flops(UNetSpec.from_config(to_dict(cfg)), cfg.data_size)
         env = environment()
-        hosts: list[Any] = [None] * dist.world_size
-        torch_dist.all_gather_object(hosts, env["host"])  # where the ranks ran: one node, or several
+        hosts = rank_hosts(dist.world_size)  # where the ranks ran: one node, or several
         engine = setup.engine
         # MFU is over every device the job uses: each GPU, or each node's CPU (shared by its ranks).
         devices = dist.world_size if device.type == "cuda" else dist.world_size // dist.local_world_size

@@ -56,7 +56,7 @@ OUTPUTS = ("inputs", "targets")
 ROTATION_ARGUMENTS = ("perm_index", "flips", "input_signs", "target_signs")
 
 
-def rotation_arrays(draws: list[SampleDraw], augmenter: Augmenter) -> dict[str, np.ndarray]:
+def _rotation_arrays(draws: list[SampleDraw], augmenter: Augmenter) -> dict[str, np.ndarray]:
     """The batch's ``ROTATION_ARGUMENTS``: per sample, axis-order index, flips, input and target signs."""
     args = [augmenter.args(d) for d in draws]
     return {
@@ -70,11 +70,11 @@ def rotation_arrays(draws: list[SampleDraw], augmenter: Augmenter) -> dict[str, 
 class CropSource(Protocol):
     """Where a graph's crops come from (a storage mode), and how much of the batch it makes itself.
 
-    ``fed`` names what ``feed`` hands the graph for each batch, with each one's layout; ``cut`` turns those nodes
+    ``feeds`` names what ``feed`` hands the graph for each batch, with each one's layout; ``cut`` turns those nodes
     (and ``corners``, the crops' corners, where ``cut_at_corners``) into the (inputs, targets) nodes of the crops.
     """
 
-    fed: dict[str, str]  # name -> DALI layout ("" for arguments) of what ``feed`` returns
+    feeds: dict[str, str]  # name -> DALI layout ("" for arguments) of what ``feed`` returns
     cut_at_corners: bool  # the graph cuts at each sample's corner, fed as "corners"
     rotated: bool  # the crops come out of ``cut`` rotated already
     finished: bool  # ``cut`` makes the training batch itself: rotated, laid out and cast
@@ -84,12 +84,13 @@ class CropSource(Protocol):
 
     def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> dict[str, Any]: ...
 
-    def cut(self, fed: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]: ...
+    def cut(self, nodes: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]: ...
 
     def close(self) -> None: ...
 
 
-def _uploaded(nodes: tuple[Any, Any], on_gpu: bool) -> tuple[Any, Any]:
+def _to_device(nodes: tuple[Any, Any], on_gpu: bool) -> tuple[Any, Any]:
+    """The nodes on the GPU where the graph runs there."""
     return (nodes[0].gpu(), nodes[1].gpu()) if on_gpu else nodes
 
 
@@ -103,15 +104,15 @@ class BatcherCrops:
         self.rotated = batcher.rotate_here
         self.channels_last = batcher.channels_last  # the batcher cut channels-last already
         layout = "DHWC" if batcher.channels_last else "CDHW"
-        self.fed = {"inputs": layout, "targets": layout}
+        self.feeds = {"inputs": layout, "targets": layout}
         self.threads = 1  # the graph's CPU work is bookkeeping: the batcher's threads cut the crops
 
     def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> dict[str, Any]:
         inputs, targets, _ = self.batcher.get(epoch, index).contiguous()
         return {"inputs": inputs, "targets": targets}
 
-    def cut(self, fed: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
-        return _uploaded((fed["inputs"], fed["targets"]), on_gpu)
+    def cut(self, nodes: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+        return _to_device((nodes["inputs"], nodes["targets"]), on_gpu)
 
     def close(self) -> None:
         self.batcher.close()
@@ -121,7 +122,7 @@ class HostCrops:
     """Crops sliced by DALI's CPU threads out of volumes in host memory, handed to the graph without a copy."""
 
     padded, rotated, finished, cut_at_corners, channels_last = False, False, False, True, False
-    fed = {"nbody": "CDHW", "hydro": "CDHW"}
+    feeds = {"nbody": "CDHW", "hydro": "CDHW"}
 
     def __init__(self, volumes: VolumePair, threads: int) -> None:
         self.nbody, self.hydro = volumes.nbody, volumes.hydro  # contiguous float32 (VolumePair.load)
@@ -131,15 +132,15 @@ class HostCrops:
         # The same array for every sample: DALI takes the list as it is, with no copy.
         return {"nbody": [self.nbody] * len(draws), "hydro": [self.hydro] * len(draws)}
 
-    def cut(self, fed: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+    def cut(self, nodes: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
         shape = np.full(3, crop_size, np.int32)
         inputs = fn.slice(
-            fed["nbody"], fed["corners"], shape, axes=_SPATIAL, normalized_anchor=False, normalized_shape=False
+            nodes["nbody"], nodes["corners"], shape, axes=_SPATIAL, normalized_anchor=False, normalized_shape=False
         )
         targets = fn.slice(
-            fed["hydro"], fed["corners"], shape, axes=_SPATIAL, normalized_anchor=False, normalized_shape=False
+            nodes["hydro"], nodes["corners"], shape, axes=_SPATIAL, normalized_anchor=False, normalized_shape=False
         )
-        return _uploaded((inputs, targets), on_gpu)
+        return _to_device((inputs, targets), on_gpu)
 
     def close(self) -> None:
         pass
@@ -152,7 +153,7 @@ class ResidentCrops:
     and the function runs on DALI's CUDA stream; on the CPU they are host tensors."""
 
     padded, rotated, finished, cut_at_corners = False, True, True, False
-    fed = {"draws": ""}  # each sample's (rotation, corner)
+    feeds = {"draws": ""}  # each sample's (rotation, corner)
 
     def __init__(
         self,
@@ -169,7 +170,7 @@ class ResidentCrops:
         if self.on_gpu:  # the cutter's tables, made on this stream, are read on DALI's
             torch.cuda.synchronize(nbody.device)
         self.dtypes = (torch.float32 if _DALI_DTYPES[dtype] == types.FLOAT else dtype, torch.float32)
-        self.channels_last = channels_last
+        self.channels_last = channels_last  # the layout this function makes (the graph adds none: finished)
         self.threads = 1  # nothing is cut on the CPU's threads
 
     def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> dict[str, Any]:
@@ -194,12 +195,12 @@ class ResidentCrops:
         # Per output, one DLPack per sample: views of the batch, which DALI copies into its own buffer.
         return tuple([to_dlpack(sample) for sample in t] for t in batch)
 
-    def cut(self, fed: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+    def cut(self, nodes: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
         if on_gpu != self.on_gpu:
             raise ValueError("resident volumes must be on the device the graph runs on")
         layout = "DHWC" if self.channels_last else "CDHW"
         return fn.dl_tensor_python_function(
-            fed["draws"].gpu() if on_gpu else fed["draws"],
+            nodes["draws"].gpu() if on_gpu else nodes["draws"],
             function=self._make,
             num_outputs=2,
             batch_processing=True,
@@ -217,7 +218,7 @@ class NumpyCrops:
     reads a fixed number of samples per batch: a short last batch is padded and trimmed by ``DaliLoader``."""
 
     padded, rotated, finished, cut_at_corners, channels_last = True, False, False, True, False
-    fed: dict[str, str] = {}  # the reader reads the files itself; only the corners are fed
+    feeds: dict[str, str] = {}  # the reader reads the files itself; only the corners are fed
 
     def __init__(self, volumes: VolumePair, batch_size: int, threads: int) -> None:
         files: VolumeFiles = volumes.files
@@ -229,12 +230,12 @@ class NumpyCrops:
     def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> dict[str, Any]:
         return {}
 
-    def cut(self, fed: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+    def cut(self, nodes: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
         out = []
         for path, dtype in zip(self.paths, self.dtypes):  # noqa: B905 (DALI's autograph knows no strict=)
             crop = fn.readers.numpy(  # on the CPU: see the module's docstring for the GPU reader
                 files=[path] * self.batch_size,
-                roi_start=fed["corners"],
+                roi_start=nodes["corners"],
                 roi_shape=[crop_size] * 3,
                 roi_axes=[0, 1, 2] if self.files_channels_last else _SPATIAL,
                 out_of_bounds_policy="error",
@@ -262,7 +263,7 @@ def _position(info: Any, first_epoch: int, first_batch: int, num_batches: int) -
 
 
 class _Feed:
-    """External-source callback: for DALI's (epoch, iteration), the named arrays of ``layouts``: what the crops'
+    """External-source callback: for DALI's (epoch, iteration), the arrays named in ``outputs``: what the crops'
     source hands over, the corners of the crops where the graph cuts them, and the rotation arguments where it
     rotates."""
 
@@ -277,23 +278,23 @@ class _Feed:
     ) -> None:
         self.plan, self.augmenter, self.crops = plan, augmenter, crops
         self.first_epoch, self.first_batch, self.rotate_here = first_epoch, first_batch, rotate_here
-        self.layouts = dict(crops.fed)  # name -> layout, in the order the external source's outputs come
+        self.outputs = dict(crops.feeds)  # the external source's outputs in order: name -> layout
         if crops.cut_at_corners:
-            self.layouts["corners"] = ""
+            self.outputs["corners"] = ""
         if rotate_here:
-            self.layouts.update(dict.fromkeys(ROTATION_ARGUMENTS, ""))
+            self.outputs.update(dict.fromkeys(ROTATION_ARGUMENTS, ""))
 
     def __call__(self, info: Any) -> list[Any]:  # info: nvidia.dali.types.BatchInfo
         epoch, index = _position(info, self.first_epoch, self.first_batch, self.plan.num_batches)
         draws = self.plan.batch_draws(epoch, index)
         if self.crops.padded:  # a short last batch, filled up to the reader's batch size with its last sample
             draws = draws + draws[-1:] * (self.plan.batch_size - len(draws))
-        fed = self.crops.feed(epoch, index, draws)
+        arrays = self.crops.feed(epoch, index, draws)
         if self.crops.cut_at_corners:
-            fed["corners"] = np.array([d.corner for d in draws], dtype=np.int32)
+            arrays["corners"] = np.array([d.corner for d in draws], dtype=np.int32)
         if self.rotate_here:
-            fed.update(rotation_arrays(draws, self.augmenter))
-        return [fed[name] for name in self.layouts]
+            arrays.update(_rotation_arrays(draws, self.augmenter))
+        return [arrays[name] for name in self.outputs]
 
 
 def _gather_channels(x, order: tuple[int, ...]):
@@ -331,21 +332,21 @@ def _source(feed: _Feed) -> dict[str, Any]:
     """The external source's outputs, by name."""
     nodes = fn.external_source(
         feed,
-        num_outputs=len(feed.layouts),
+        num_outputs=len(feed.outputs),
         batch=True,
         batch_info=True,
         no_copy=True,
-        layout=list(feed.layouts.values()),
+        layout=list(feed.outputs.values()),
     )
-    return dict(zip(feed.layouts, nodes))  # noqa: B905 (DALI's autograph knows no strict=)
+    return dict(zip(feed.outputs, nodes))  # noqa: B905 (DALI's autograph knows no strict=)
 
 
-def _rotated(inputs, targets, fed: dict[str, Any], augmenter: Augmenter, on_gpu: bool):
+def _rotated(inputs, targets, nodes: dict[str, Any], augmenter: Augmenter, on_gpu: bool):
     """Inputs and targets turned by each sample's rotation, vector channels with them."""
-    input_signs, target_signs = fed["input_signs"], fed["target_signs"]
+    input_signs, target_signs = nodes["input_signs"], nodes["target_signs"]
     if on_gpu:
         input_signs, target_signs = input_signs.gpu(), target_signs.gpu()
-    perm_index, flips = fed["perm_index"], fed["flips"]
+    perm_index, flips = nodes["perm_index"], nodes["flips"]
     inputs = rotate(inputs, perm_index, flips, input_signs, augmenter.in_channels, augmenter.in_vectors)
     targets = rotate(targets, perm_index, flips, target_signs, augmenter.out_channels, augmenter.out_vectors)
     return inputs, targets
@@ -360,12 +361,12 @@ def _channels_last(x):
 def _graph(feed: _Feed, crop_size: int, on_gpu: bool, dtype, channels_last: bool):
     """Source, cut, rotate, layout, cast: the training batch's ``OUTPUTS``."""
     crops = feed.crops
-    fed = _source(feed)  # source
-    inputs, targets = crops.cut(fed, crop_size, on_gpu)  # cut
+    nodes = _source(feed)  # source
+    inputs, targets = crops.cut(nodes, crop_size, on_gpu)  # cut
     if crops.finished:  # the crops' own function made the training batch (ResidentCrops)
         return inputs, targets
     if feed.rotate_here:  # rotate
-        inputs, targets = _rotated(inputs, targets, fed, feed.augmenter, on_gpu)
+        inputs, targets = _rotated(inputs, targets, nodes, feed.augmenter, on_gpu)
     if channels_last and not crops.channels_last:  # layout
         inputs, targets = _channels_last(inputs), _channels_last(targets)
     if dtype != types.FLOAT:  # cast

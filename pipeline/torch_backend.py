@@ -1,8 +1,9 @@
-"""The torch backend: the DALI pipeline's semantics with torch ops, for machines without DALI.
+"""The torch backend: the DALI pipeline's semantics with torch ops (``auto`` on CPUs and for volumes resident on a
+GPU, and wherever DALI is not installed).
 
 Where the device cuts and rotates (``pipeline.device_cut.DeviceCutter``), it cuts crops of volumes resident on the
-device, each batch on a stream of its own while the one before trains, or rotates a batch the CPU batcher cut and this
-loader copied over; no per-sample kernels and no host synchronization. For the same draws the samples equal the DALI
+device, on a CUDA stream of its own a batch ahead of training, or rotates a batch the CPU batcher cut and this loader
+copied over; no per-sample kernels and no host synchronization. For the same draws the samples equal the DALI
 backend's and the numpy reference's (tested).
 """
 
@@ -28,8 +29,8 @@ class TorchLoader:
     """Iterates over one epoch of (input, target) NCDHW tensors on ``device`` per ``for`` loop.
 
     Inputs come in ``dtype``, targets in float32, as from ``DaliLoader``, which this mirrors: either
-    ``batcher`` cuts the crops on CPU threads, or ``resident`` volumes on ``device`` are cut here (the
-    device storage of both backends); the first epoch starts at ``first_batch``. With
+    ``batcher`` cuts the crops on CPU threads, or ``resident`` volumes on ``device`` are cut here (this backend's
+    device storage); the first epoch starts at ``first_batch``. With
     ``rotate_on_device`` the device cuts and rotates (``DeviceCutter``), and the batcher must not rotate.
     """
 

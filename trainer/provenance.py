@@ -1,4 +1,5 @@
-"""Which code, and which machine, produced a result: recorded in every run directory and benchmark record."""
+"""Which code, and which machine, produced a result: recorded in every run directory and benchmark record; and,
+gathered from every rank at the end of a run, where each ran and whether their weights agree."""
 
 from __future__ import annotations
 
@@ -73,12 +74,21 @@ def tensor_digest(tensors: Any) -> str:
     return digest.hexdigest()
 
 
+def _gathered(mine: Any, world_size: int) -> list[Any]:
+    gathered: list[Any] = [None] * world_size
+    torch_dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def rank_hosts(world_size: int) -> list[str]:
+    """The host each rank runs on, gathered from all (a collective)."""
+    return _gathered(socket.gethostname(), world_size)
+
+
 def rank_facts(module: torch.nn.Module, first_batch_digest: str | None, world_size: int) -> dict[str, Any]:
     """Per rank, gathered from all (a collective): the host it ran on, the digest of its weights (equal when the
     ranks are in sync, an error line where they differ) and of the first batch it drew (different crops per rank)."""
-    gathered: list[Any] = [None] * world_size
-    mine = (socket.gethostname(), tensor_digest(module.parameters()), first_batch_digest)
-    torch_dist.all_gather_object(gathered, mine)
+    gathered = _gathered((socket.gethostname(), tensor_digest(module.parameters()), first_batch_digest), world_size)
     facts = {
         "rank_hosts": [g[0] for g in gathered],
         "rank_weight_digests": [g[1] for g in gathered],

@@ -1,4 +1,4 @@
-"""The training loop: a DeepSpeed engine fed by DALI, validated every epoch, checkpointed, resumable.
+"""The training loop: a DeepSpeed engine fed by the input pipeline, validated every epoch, checkpointed, resumable.
 
 The micro-step itself is ``trainer.step.micro_step``, which the benchmarks and tests run too; validation is
 ``trainer.validation``; what a log point says about learning, ``trainer.numerics``.

@@ -31,7 +31,8 @@ def evaluate(engine: Any, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], l
 def science_scalars(engine: Any, volumes: VolumePair, cfg: Config) -> dict[str, float]:
     """The validation box (or its fixed sub-volume at the origin, ``science_box_size``, taken as periodic) predicted
     tiled as ``python -m model.predict`` does, and model.metrics' statistics of it as TensorBoard scalars: L1 per
-    channel, and the power-spectrum ratio and r(k) per k range. One rank's work."""
+    channel, and the power-spectrum ratio and r(k) per k range. One rank's work; the engine is back in training mode
+    after it."""
     side = cfg.science_box_size or volumes.nbody.shape[1]
     micro = engine.train_micro_batch_size_per_gpu()
     norm = normalization(cfg, "val")
