@@ -84,7 +84,7 @@ import sys
 import torch
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from trainer.engine import fused_adam_problem  # noqa: E402
+from trainer.fused_adam import fused_adam_problem  # noqa: E402
 
 if problem := fused_adam_problem():
     sys.exit(f"DeepSpeed's FusedAdam cannot be built here: {problem}")

@@ -30,8 +30,9 @@ from pipeline.loaders import dali_installed, resolve_backend
 from pipeline.synthetic import ensure_boxes
 from trainer.build import engine_config
 from trainer.config import Config, parse_value
-from trainer.engine import TORCH_FUSED_ADAM, merge_settings, plan_batches
+from trainer.engine import merge_settings, plan_batches
 from trainer.errors import ConfigError
+from trainer.fused_adam import TORCH_FUSED_ADAM
 
 PRECISION_JSON = {
     "fp32": "ds_configs/ds_fp32.json",

@@ -6,16 +6,10 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from trainer import engine
-from trainer.engine import (
-    TORCH_FUSED_ADAM,
-    BatchPlan,
-    fused_adam_problem,
-    load_ds_template,
-    plan_batches,
-    resolve_ds_config,
-)
+from trainer import engine, fused_adam
+from trainer.engine import BatchPlan, load_ds_template, plan_batches, resolve_ds_config
 from trainer.errors import ConfigError
+from trainer.fused_adam import TORCH_FUSED_ADAM, fused_adam_problem
 
 
 @pytest.mark.parametrize(
@@ -213,30 +207,30 @@ def test_arch_lists_with_suffixes_become_ones_deepspeed_parses(value, capability
     fitted one."""
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA op's: its parsing needs no GPU
 
-    assert engine.parseable_arch_list(value, capability) == expected
+    assert fused_adam.parseable_arch_list(value, capability) == expected
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", value)
     if any(c.isalpha() for c in value.replace("PTX", "")):
-        assert "ValueError: invalid literal for int()" in engine.arch_list_problem(FusedAdamBuilder())
+        assert "ValueError: invalid literal for int()" in fused_adam.arch_list_problem(FusedAdamBuilder())
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", expected)
-    assert engine.arch_list_problem(FusedAdamBuilder()) is None
+    assert fused_adam.arch_list_problem(FusedAdamBuilder()) is None
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == expected  # DeepSpeed's parsing rewrites it: restored
 
 
 def test_an_arch_list_is_fitted_once_per_process_and_said_in_one_line(monkeypatch, caplog):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
-    engine.fit_arch_list.cache_clear()
+    fused_adam.fit_arch_list.cache_clear()
     with caplog.at_level(logging.INFO):
-        assert engine.fit_arch_list() is None
+        assert fused_adam.fit_arch_list() is None
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"
     assert [r.getMessage() for r in caplog.records] == [
         "TORCH_CUDA_ARCH_LIST '8.0;9.0a' set to '8.0;9.0' in this process, which DeepSpeed 0.19.8 can parse"
     ]
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")  # a named architecture, and no GPU to take it from
-    engine.fit_arch_list.cache_clear()
-    assert engine.fit_arch_list() == (
+    fused_adam.fit_arch_list.cache_clear()
+    assert fused_adam.fit_arch_list() == (
         "TORCH_CUDA_ARCH_LIST 'Hopper' has entries DeepSpeed cannot parse, and no GPU is visible"
     )
-    engine.fit_arch_list.cache_clear()
+    fused_adam.fit_arch_list.cache_clear()
 
 
 def test_an_arch_list_deepspeed_cannot_parse_gives_way_to_torchs_fused_adam(monkeypatch, caplog, probe):
@@ -247,10 +241,10 @@ def test_an_arch_list_deepspeed_cannot_parse_gives_way_to_torchs_fused_adam(monk
 
     monkeypatch.setattr(get_accelerator(), "create_op_builder", lambda name: FusedAdamBuilder())
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopper")
-    engine.fit_arch_list.cache_clear()
+    fused_adam.fit_arch_list.cache_clear()
     template = load_ds_template(REPO / "ds_configs" / "ds_fp16.json")
     with caplog.at_level(logging.WARNING):
         cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cuda")
-    engine.fit_arch_list.cache_clear()
+    fused_adam.fit_arch_list.cache_clear()
     assert {k: cfg["optimizer"]["params"][k] for k in TORCH_FUSED_ADAM} == TORCH_FUSED_ADAM
     assert "TORCH_CUDA_ARCH_LIST 'Hopper' has entries DeepSpeed cannot parse" in caplog.text

@@ -35,7 +35,6 @@ from pipeline.volumes import VolumeFiles, VolumePair, target_attributes
 from trainer.config import Config, channels_last_on, to_dict
 from trainer.dist import Device, DistEnv
 from trainer.engine import (
-    TORCH_FUSED_ADAM,
     load_ds_template,
     plan_batches,
     precision_name,
@@ -44,6 +43,7 @@ from trainer.engine import (
     train_dtype,
 )
 from trainer.errors import ConfigError
+from trainer.fused_adam import TORCH_FUSED_ADAM
 from trainer.lr_schedule import ScaledCosineSchedule, peak_lr, warmup_applies
 
 log = logging.getLogger(__name__)

@@ -8,16 +8,8 @@ from __future__ import annotations
 
 import copy
 import difflib
-import functools
-import importlib.util
 import json
 import logging
-import math
-import os
-import re
-import shutil
-import sys
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +18,7 @@ import torch
 
 from trainer.dist import is_main_process
 from trainer.errors import ConfigError
-from trainer.op_builds import jit_built, settle_build_lock
+from trainer.fused_adam import TORCH_FUSED_ADAM, fused_adam_problem
 
 log = logging.getLogger(__name__)
 
@@ -139,125 +131,6 @@ def load_ds_template(path: str | Path, overrides: dict[str, Any] | None = None) 
     return merge_settings(template, overrides or {})
 
 
-# What takes DeepSpeed's FusedAdam's place where it cannot be built: torch's own fused Adam, the same math.
-TORCH_FUSED_ADAM = {"torch_adam": True, "fused": True}
-
-
-def _ninja_dirs() -> list[str]:
-    """Where a ninja that is not on PATH may be: beside this interpreter (a virtual environment not activated), and
-    the bin directory beside the ninja package (wheels installed with pip --target SITE put it in SITE/bin)."""
-    dirs = [str(Path(sys.executable).parent)]
-    spec = importlib.util.find_spec("ninja")
-    if spec is not None and spec.origin is not None:
-        dirs.append(str(Path(spec.origin).parent.parent / "bin"))
-    return dirs
-
-
-# An entry of TORCH_CUDA_ARCH_LIST as torch reads it: '9.0', '9.0+PTX', and with an arch suffix, '9.0a' or '10.0f'.
-_ARCH = re.compile(r"(\d+)\.(\d+)[a-z]*(\+PTX)?")
-
-
-def _arch_entries(value: str) -> list[str]:
-    """The entries of a TORCH_CUDA_ARCH_LIST value, which torch separates by ';' or spaces."""
-    return [entry.strip() for entry in value.replace(" ", ";").split(";") if entry.strip()]
-
-
-def parseable_arch_list(value: str, device_capability: tuple[int, int] | None) -> str:
-    """TORCH_CUDA_ARCH_LIST ``value`` in the form DeepSpeed's op builder parses, 'major.minor' with an optional
-    '+PTX' (0.19.8 does int('0a') on '9.0a', and its JIT build dies): arch suffixes dropped, as FusedAdam uses no
-    arch-specific instruction; a list with other entries (torch's named architectures) replaced by the device's own
-    capability. ValueError where neither can be had."""
-    matches = [_ARCH.fullmatch(entry) for entry in _arch_entries(value)]
-    if all(matches):
-        return ";".join(dict.fromkeys(f"{m[1]}.{m[2]}{m[3] or ''}" for m in matches if m is not None))
-    if device_capability is None:
-        raise ValueError(f"TORCH_CUDA_ARCH_LIST '{value}' has entries DeepSpeed cannot parse, and no GPU is visible")
-    return "{}.{}".format(*device_capability)
-
-
-@functools.cache
-def fit_arch_list() -> str | None:
-    """Give this process a TORCH_CUDA_ARCH_LIST that DeepSpeed can parse (``parseable_arch_list``), saying so in one
-    line; DeepSpeed's ``jit_load`` parses it in every process that loads an op, built before or not. Returns why it
-    could not, or None."""
-    import deepspeed
-
-    value = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-    if not value.strip():
-        return None  # DeepSpeed asks the visible devices
-    try:
-        fitted = parseable_arch_list(value, torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
-    except ValueError as err:
-        return str(err)
-    if fitted.split(";") != _arch_entries(value):
-        os.environ["TORCH_CUDA_ARCH_LIST"] = fitted
-        if is_main_process():
-            log.info(
-                "TORCH_CUDA_ARCH_LIST '%s' set to '%s' in this process, which DeepSpeed %s can parse",
-                value,
-                fitted,
-                deepspeed.__version__,
-            )
-    return None
-
-
-def arch_list_problem(builder: Any) -> str | None:
-    """What DeepSpeed's own parsing of TORCH_CUDA_ARCH_LIST says, for a builder of CUDA ops: None where it parses.
-    Run as ``jit_load`` would, with the variable (which the parsing rewrites) and the builder's mode restored."""
-    if not hasattr(builder, "compute_capability_args"):
-        return None  # not a CUDA op
-    value, jit_mode = os.environ.get("TORCH_CUDA_ARCH_LIST"), builder.jit_mode
-    builder.jit_mode = True
-    try:
-        builder.compute_capability_args()
-    except Exception as err:  # ValueError from int(), RuntimeError for no devices, and whatever a new version raises
-        return f"DeepSpeed cannot use TORCH_CUDA_ARCH_LIST '{value or ''}' ({type(err).__name__}: {err})"
-    finally:
-        builder.jit_mode = jit_mode
-        if value is None:
-            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-        else:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = value
-    return None
-
-
-@functools.cache
-def fused_adam_problem() -> str | None:
-    """Why DeepSpeed's FusedAdam cannot be loaded here, or None where it can: an arch list DeepSpeed can parse
-    (``fit_arch_list``), and installed prebuilt, JIT-built before (cached), or buildable (ninja on PATH, beside this
-    interpreter or in the ninja package, and a CUDA toolkit whose nvcc matches the CUDA that torch was built with).
-    A failed JIT build is a traceback deep inside deepspeed.initialize; this says why before it starts. Probed once
-    per process."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.git_version_info import installed_ops
-    from deepspeed.ops.op_builder.builder import assert_no_cuda_mismatch
-
-    builder = get_accelerator().create_op_builder("FusedAdamBuilder")
-    if builder is None:
-        return f"DeepSpeed has no FusedAdam for the {get_accelerator().device_name()} accelerator"
-    if installed_ops.get(builder.name, False):
-        return None  # prebuilt: nothing is compiled, the arch list is not read
-    if problem := fit_arch_list() or arch_list_problem(builder):  # parsed even where the op was built before
-        return problem
-    settle_build_lock(builder.name, clears=os.environ.get("LOCAL_RANK", "0") == "0")  # exported by dist.export()
-    if jit_built(builder.name)[0]:
-        return None
-    if shutil.which("ninja") is None:
-        found = [d for d in _ninja_dirs() if shutil.which("ninja", path=d)]
-        if not found:
-            return "ninja is not on PATH (pip install ninja)"
-        os.environ["PATH"] = found[0] + os.pathsep + os.environ.get("PATH", "")  # where torch's JIT build looks
-    if not hasattr(builder, "compute_capability_args"):
-        return None  # the accelerator's own op (a CPU's), built with the host compiler
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} was built without CUDA"
-    try:
-        assert_no_cuda_mismatch(builder.name)
-    except Exception as err:  # DeepSpeed's MissingCUDAException, CUDAMismatchException
-        return " ".join(str(err).replace(">- ", "").split())
-    return None
-
-
 def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, device_type: str) -> dict[str, Any]:
     """The DeepSpeed config for this run: batch sizes and lr filled in, precision fitted to the device.
 
@@ -347,64 +220,3 @@ def train_dtype(engine: Any) -> torch.dtype:
 
 def precision_name(dtype: torch.dtype) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
-
-
-def loss_scale(engine: Any) -> float | None:
-    """The current dynamic loss scale under fp16, else None."""
-    return float(engine.optimizer.loss_scale) if engine.fp16_enabled() else None
-
-
-# Per fp16 engine, once its first backward has shown it: whether DeepSpeed's backward applies the loss scale itself.
-_SCALES_ITSELF: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
-def backward(engine: Any, loss: torch.Tensor) -> None:
-    """``engine.backward(loss)`` with fp16's loss scale applied exactly once.
-
-    Under fp16 every DeepSpeed optimizer divides the gradients by its loss scale in ``step()``, but DeepSpeed's
-    ``engine.backward`` multiplies the loss by it only for its ZeRO optimizers and torch's GradScaler: 0.19.8 leaves
-    the fp16 wrappers of ZeRO stage 0 unscaled (deepspeedai/DeepSpeed#8393). There the gradients of an L1 mean over
-    2^25 outputs or more are below fp16's smallest number, all exactly zero, and nothing overflows. So the first
-    backward of each fp16 engine shows what DeepSpeed does: a hook on the loss sees the gradient that reaches it,
-    the factor DeepSpeed multiplied the loss by (1/accumulation, times the loss scale where it applies it). Where it
-    does not, the hook applies the scale to that backward, and later ones multiply the loss by the scale; where it
-    does (ZeRO, a fixed DeepSpeed), nothing changes. The loss stays float32 (``model.Loss``): scaled by 2^16, it
-    would overflow float16. bf16 and fp32 engines are left as they are.
-    """
-    if not engine.fp16_enabled():
-        engine.backward(loss)
-        return
-    scale = loss_scale(engine)
-    scales_itself = _SCALES_ITSELF.get(engine)
-    if scales_itself is None and scale != 1.0:  # a scale of 1 cannot tell: the next backward asks again
-        handle = loss.register_hook(functools.partial(_probe_scaling, engine, scale))
-        try:
-            engine.backward(loss)
-        finally:
-            handle.remove()
-    else:
-        engine.backward(loss if scales_itself is not False else loss * scale)
-
-
-def _probe_scaling(engine: Any, scale: float, grad: torch.Tensor) -> torch.Tensor:
-    """The hook of ``backward``'s first fp16 backward: decides, says which, and scales this backward if needed."""
-    import deepspeed
-
-    factor = float(grad) * engine.gradient_accumulation_steps()  # one device sync, once per engine
-    scales_itself = math.isclose(factor, scale, rel_tol=1e-3)
-    if not scales_itself and not math.isclose(factor, 1.0, rel_tol=1e-3):
-        log.warning(
-            "fp16: DeepSpeed multiplied the loss by %g, neither 1 nor its loss scale %g: left so", factor, scale
-        )
-        scales_itself = True
-    _SCALES_ITSELF[engine] = scales_itself
-    if scales_itself:
-        log.info("fp16: DeepSpeed applies its loss scale (%g) in backward", scale)
-        return grad
-    log.info(
-        "fp16: DeepSpeed %s does not apply its loss scale in backward with %s: the trainer does (%g now)",
-        deepspeed.__version__,
-        type(engine.optimizer).__name__,
-        scale,
-    )
-    return grad * scale

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainer.engine import loss_scale
+from trainer.loss_scaling import loss_scale
 
 log = logging.getLogger(__name__)
 

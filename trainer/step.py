@@ -18,8 +18,8 @@ import torch.distributed as torch_dist
 from model import Loss
 from pipeline.volumes import DataError
 from trainer.config import Config
-from trainer.engine import backward
 from trainer.errors import NumericalError
+from trainer.loss_scaling import backward
 from trainer.preemption import StopRequest
 
 log = logging.getLogger(__name__)

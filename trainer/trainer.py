@@ -23,8 +23,9 @@ from trainer.build import build_data, build_engine, build_loss, run_facts
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import Config
 from trainer.dist import Device, DistEnv, device_name
-from trainer.engine import loss_scale, precision_name
+from trainer.engine import precision_name
 from trainer.errors import DistError, out_of_memory
+from trainer.loss_scaling import loss_scale
 from trainer.numerics import LearningWatch
 from trainer.preemption import StopRequest
 from trainer.profiling import StepProfiler
