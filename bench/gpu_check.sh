@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU check, under 5 minutes on one GPU: the pipeline's throughput at 64^3, batch 64, per backend and storage mode
-# (dali-device is DALI's graph over GPU-resident volumes, torch-device the torch gather: the default backend for
-# device storage is DALI unless it measures slower), then the device paths against the CPU reference
-# (tests/test_device_paths.py, CUDA variants included, with the proof that DALI copies no volume per batch, whose
-# timings it prints; the fast paths' GPU tests).
+# (dali-device is DALI's graph over GPU-resident volumes, torch-device the torch gather: backend auto takes torch for
+# device storage on a GPU, docs/data.md says why with both figures), then the device paths against the CPU reference
+# (tests/test_device_paths.py, CUDA variants included, with the proof that DALI copies no volume per batch, by the
+# memory it allocates, which it prints; the fast paths' GPU tests).
 # Where DALI is not installed it checks the torch backend and says that DALI was skipped.
 #
 #   bash bench/gpu_check.sh [RESULTS.jsonl]   # PYTHON=... picks the interpreter; needs torch (CUDA), h5py, pytest
