@@ -22,7 +22,8 @@ loss are the named config's (checked before the file is written). The last round
 tuned one in turn; where the tuned one is not faster, the named config's settings are written. The tuned config is
 written as ``NAME_tuned`` in ``--out`` with its candidates' samples/s in comments, and every candidate's record in
 the companion JSON (``--out`` with .json): samples/s per round, and why the losers lost (slower, failed, out of
-memory, not available here, not measured within the budget).
+memory, not available here, not measured within the budget). Where no candidate was measured at all (a budget
+shorter than one run, or every run failed) nothing is written: one error line says why, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -499,6 +500,16 @@ def main(argv: list[str] | None = None) -> int:
         tuner.stage("tried", extra)
     original, tuned = tuner.final()
     spent = time.monotonic() - start
+    if all(c.median is None for c in tuner.candidates):
+        # why the candidates that could run here were not measured
+        tried = [c for c in tuner.candidates if c.status not in ("not applicable", "not available here")]
+        reasons = sorted({f"{c.status}: {c.reason}" if c.reason else c.status for c in tried or tuner.candidates})
+        print(
+            f"error: bench.tune measured no candidate in {spent:.0f} s of a {args.budget_s:g} s budget, so {out} "
+            f"is not written ({'; '.join(reasons)}): raise --budget_s, or see why the runs failed",
+            file=sys.stderr,
+        )
+        return 1
     name = write_outputs(tuner, original, tuned, out, spent)
     print(
         f"wrote {out} ({name}) and {out.with_suffix('.json')}: {_rate(tuned)} against {_rate(original)} for "

@@ -96,6 +96,16 @@ def test_the_budget_is_respected(named, tmp_path):
     build_config(load_named(out, "tiny_tuned"), {})  # what it writes then still loads
 
 
+def test_a_budget_that_measures_nothing_writes_nothing(named, tmp_path):
+    """A budget shorter than one run measures no candidate: an error line, status 1, and no tuned config that is
+    the named one unmeasured."""
+    out = tmp_path / "none.yaml"
+    result = tune(named, out, "--stages", "micro_batch", "--budget_s", "1", *QUICK)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "measured no candidate" in result.stderr and "the budget (1 s) was spent" in result.stderr
+    assert not out.exists() and not out.with_suffix(".json").exists()
+
+
 def test_a_tuned_micro_batch_trains_to_the_same_losses(named, tmp_path):
     """The settings the tuner writes (here micro-batch 2 with gradient accumulation 4 for the batch of 8, and one
     torch thread) train as the named config does: the same losses, to float32 rounding, at every step."""
