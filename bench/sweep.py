@@ -171,9 +171,11 @@ PLAIN_PATH = [
     "false",
 ]
 # Tried last, on fp16 only, and joined to "all fast paths" only once measured to help: compile with CUDA graphs;
-# torch's fused Adam in place of DeepSpeed's FusedAdam (no JIT build; DeepSpeed's unfused fp16 wrapper around it).
+# cuDNN timing every algorithm it has (not torch's first 10), against "+ cudnn_benchmark"; torch's fused Adam in
+# place of DeepSpeed's FusedAdam (no JIT build; DeepSpeed's unfused fp16 wrapper around it).
 TRIED_LAST = {
     "+ compile, CUDA graphs": ["--compile", "true", "--compile_mode", "reduce-overhead"],
+    "+ cudnn_benchmark, every algorithm": ["--cudnn_benchmark", "true", "--cudnn_benchmark_limit", "0"],
     "torch fused Adam": ["--deepspeed_overrides", json.dumps({"optimizer": {"params": TORCH_FUSED_ADAM}})],
 }
 

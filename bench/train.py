@@ -342,6 +342,11 @@ def measure(argv: list[str] | None) -> None:
                 "fast_paths": {
                     "channels_last": data.settings.channels_last,
                     "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                    # algorithms timed per shape (0: all); torch's own where not set
+                    "cudnn_benchmark_limit": (
+                        torch.backends.cudnn.benchmark_limit if torch.backends.cudnn.benchmark else None
+                    ),
+                    "pad_last_layer": cfg.pad_last_layer,
                     "compile": cfg.compile,
                     "compile_mode": cfg.compile_mode,
                     "nonfinite_loss": cfg.nonfinite_loss,

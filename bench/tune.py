@@ -12,8 +12,8 @@ interleaved rounds (a, b, c, a, b, c) whose median counts:
    global batch (on a GPU the largest that fits: those that run out of memory are recorded and skipped);
 2. precision: fp32, bf16 and fp16 where the device has them (bf16 and fp16 as DeepSpeed overrides of the config's
    JSON, which keeps its optimizer and ZeRO settings);
-3. on a CPU, torch threads per rank, then data threads; on a GPU, the fast paths (channels-last, cuDNN autotuning,
-   torch.compile) one at a time, and with several ranks the ZeRO stage;
+3. on a CPU, torch threads per rank, then data threads; on a GPU, the fast paths (channels-last, cuDNN autotuning
+   and its timing of every algorithm, torch.compile) one at a time, and with several ranks the ZeRO stage;
 4. storage (lazy, host, device) and backend (torch, DALI where installed).
 
 A setting replaces the one chosen so far only when it is faster by more than ``--margin`` (3% by default), so that
@@ -71,6 +71,7 @@ TUNABLE = (
     "backend",
     "channels_last",
     "cudnn_benchmark",
+    "cudnn_benchmark_limit",
     "compile",
     "compile_mode",
 )
@@ -224,6 +225,8 @@ class Tuner:
             }
             for key, value in now.items():
                 found.append(Candidate(stage, f"{key} {not value}", {key: not value}))
+            if now["cudnn_benchmark"] and cfg.cudnn_benchmark_limit != 0:  # cuDNN times every algorithm it has
+                found.append(Candidate(stage, "cudnn_benchmark_limit 0", {"cudnn_benchmark_limit": 0}))
             return found
         if stage == "zero":
             if not gpu or ranks == 1:

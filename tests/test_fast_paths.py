@@ -125,6 +125,8 @@ def test_switches_warn_where_they_cannot_work(tmp_path):
             "1",
             "--cudnn_benchmark",
             "true",
+            "--cudnn_benchmark_limit",
+            "0",
             "--science_box_size",
             "16",
             "--storage",
@@ -136,10 +138,37 @@ def test_switches_warn_where_they_cannot_work(tmp_path):
         )
     )
     assert result.returncode == 0 and "cudnn_benchmark has no effect without a GPU" in result.stderr
+    assert "cudnn_benchmark_limit has no effect without a GPU" in result.stderr
     assert "science_box_size has no effect without science_every_epochs" in result.stderr
     assert "device_storage_dtype has no effect with storage 'host'" in result.stderr
     assert "compile_mode has no effect without compile: true" in result.stderr
     assert "num_data_workers" not in result.stderr  # the host storage's threads do cut the crops
+
+
+@pytest.mark.parametrize(
+    "benchmark, limit, expected, warning",
+    [
+        (None, None, (True, 7), None),  # a GPU's default: autotuning, the limit left as it was
+        (None, 0, (True, 0), None),
+        (True, 3, (True, 3), None),
+        (False, 0, (False, 7), "cudnn_benchmark_limit has no effect with cudnn_benchmark: false"),
+    ],
+)
+def test_cudnn_autotuning_on_a_gpu_is_set_as_the_config_asks(benchmark, limit, expected, warning, caplog):
+    """torch's cuDNN flags are process-wide and settable without a GPU: build_engine's setting of them for a GPU,
+    from autotuning off and a limit of 7."""
+    from trainer.build import set_cudnn
+    from trainer.config import Config
+
+    before = torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit
+    try:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit = False, 7
+        set_cudnn(Config(cudnn_benchmark=benchmark, cudnn_benchmark_limit=limit), "cuda")
+        got = torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.benchmark_limit = before
+    assert got == expected
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == ([warning] if warning else [])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

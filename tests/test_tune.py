@@ -5,11 +5,12 @@ import json
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from bench.tune import RECIPE, apply_settings
+from bench.tune import RECIPE, Tuner, apply_settings
 from tests.conftest import REPO, run_train, single_process_env
 from trainer.config import DEFAULT_YAML, build_config, load_named
 
@@ -139,3 +140,23 @@ def test_bad_options_are_refused(named, tmp_path):
 def _losses(run_dir):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss/train"] for r in records if "loss/train" in r]
+
+
+@pytest.mark.parametrize("benchmark, limit_tried", [(None, True), (False, False)])
+def test_on_a_gpu_each_fast_path_is_tried_against_the_settings_so_far(benchmark, limit_tried):
+    """The GPU's candidates, listed without one: each switch turned from what it is now (null: channels_last and
+    cudnn_benchmark on), and cuDNN timing every algorithm where it autotunes."""
+    raw = {**load_named(DEFAULT_YAML, "debug"), "cudnn_benchmark": benchmark}
+    tuner = Tuner(SimpleNamespace(budget_s=1, config="debug", repeats=1, ranks=1), build_config(raw, {}), raw)
+    tuner.device_type = "cuda"
+    found = {c.label: c.settings for c in tuner.stage_candidates("fast_paths")}
+    switched = "cudnn_benchmark True" if benchmark is False else "cudnn_benchmark False"
+    expected = {
+        "as chosen so far": {},
+        "channels_last False": {"channels_last": False},
+        "compile True": {"compile": True},
+    }
+    expected[switched] = {"cudnn_benchmark": benchmark is False}
+    if limit_tried:
+        expected["cudnn_benchmark_limit 0"] = {"cudnn_benchmark_limit": 0}
+    assert found == expected

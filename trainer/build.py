@@ -257,17 +257,32 @@ class EngineSetup:
     steps_per_epoch: int
 
 
+def set_cudnn(cfg: Config, device_type: str) -> None:
+    """cuDNN's autotuning as the config asks (on a GPU, on unless cudnn_benchmark is false); one warning for each
+    setting that cannot work here."""
+    if device_type == "cpu":
+        if cfg.cudnn_benchmark:
+            log.warning("cudnn_benchmark has no effect without a GPU")
+        if cfg.cudnn_benchmark_limit is not None:
+            log.warning("cudnn_benchmark_limit has no effect without a GPU")
+        return
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark is not False
+    if cfg.cudnn_benchmark_limit is None:
+        return
+    if torch.backends.cudnn.benchmark:
+        torch.backends.cudnn.benchmark_limit = cfg.cudnn_benchmark_limit
+    else:
+        log.warning("cudnn_benchmark_limit has no effect with cudnn_benchmark: false")
+
+
 def build_engine(cfg: Config, dist: DistEnv, device: Device) -> EngineSetup:
     """The model (seeded, initialized as the reference does), DeepSpeed's engine over it with our schedule, the
     single-rank reduction skipped, compiled if asked; and the process's threads and cuDNN set for the device."""
+    set_cudnn(cfg, device.type)
     if device.type == "cpu":
         torch.set_num_threads(cfg.cpu_threads or max(1, len(os.sched_getaffinity(0)) // dist.local_world_size))
-        if cfg.cudnn_benchmark:
-            log.warning("cudnn_benchmark has no effect without a GPU")
-    else:
-        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark is not False
-        if cfg.cpu_threads:
-            log.warning("cpu_threads has no effect when training on a GPU")
+    elif cfg.cpu_threads:
+        log.warning("cpu_threads has no effect when training on a GPU")
     steps_per_epoch = cfg.Nsamples // cfg.global_batch_size
     sched = cfg.lr_schedule
     if sched.warmup_steps and not warmup_applies(sched.scaling, cfg.global_batch_size, cfg.base_batch_size):

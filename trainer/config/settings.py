@@ -194,6 +194,13 @@ class Config:
     cudnn_benchmark: bool | None = _field(
         None, "let cuDNN time and pick convolution algorithms (null: on with a GPU)", resumable=True
     )
+    cudnn_benchmark_limit: int | None = _field(
+        None,
+        "with cudnn_benchmark, how many convolution algorithms cuDNN times per shape: 0 every one it has "
+        "(slower first steps); null: torch's default (10)",
+        bound="non-negative",
+        resumable=True,
+    )
     pad_last_layer: bool = _field(
         False,
         "compute the last layer's 5 output channels as 8, with zero filters, and drop the 3 (the same values and "
