@@ -164,7 +164,8 @@ class Tuner:
         self.chosen: dict[str, Any] = {}
         self.candidates: list[Candidate] = []
         self.run_id = time.strftime("%Y%m%dT%H%M%S")
-        scratch = Path(tempfile.mkdtemp(prefix="tune-"))
+        self._scratch = tempfile.TemporaryDirectory(prefix="tune-")  # removed when the tuner goes, or at exit
+        scratch = Path(self._scratch.name)
         self.results = scratch / "records.jsonl"
         # the named config with the command line's overrides, as the candidates' runs read it
         self.named = scratch / "named.yaml"
