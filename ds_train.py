@@ -42,7 +42,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, st
     """Fixed options, plus every config key as an override (returned as dotted key -> raw value)."""
     usage = "%(prog)s [--config NAME] [--run_dir DIR] [--resume | --overwrite] [--KEY VALUE ...]"
     parser = config_parser("ds_train.py", __doc__.split("\n\n")[0], sys.argv[1:] if argv is None else argv, usage)
-    parser.add_argument("--run_dir", type=output_dir, help="run directory (default: runs/<config>-<date>-<time>)")
+    parser.add_argument(
+        "--run_dir",
+        type=output_dir,
+        help="run directory (default: runs/<config>-<date>-<time>[-<Slurm job id>], a new one)",
+    )
     for switch, what in SWITCHES.items():
         parser.add_argument(switch, action="store_true", help=what)
     parser.add_argument("--stop_after_epoch", type=int, help="stop after this epoch; the schedule spans num_epochs")
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if run is not None:
-            run.release()  # an earlier run set aside by --overwrite goes back where this one did not start
+            run.close()  # an earlier run set aside by --overwrite goes back where this one did not start; the hold goes
         if trainer is not None:
             trainer.close()
         if torch_dist.is_initialized():

@@ -13,15 +13,24 @@ from typing import Any, NoReturn
 
 import torch
 
+from common.hold import HeldError, hold_file
 from trainer.provenance import REPO as REPO  # re-exported for the benchmarks
 from trainer.provenance import cpu_info, git_commit, software
+
+APPEND_WAIT_S = 120.0  # an append takes milliseconds: a holder for longer is stuck
 
 
 def append_records(path: Path, records: list[dict[str, Any]]) -> None:
     """Append one JSON line per record, starting on a line of its own after a record cut short (a run killed
-    while writing it), so that the fragment never swallows the next record."""
+    while writing it), so that the fragment never swallows the next record. Benchmarks appending to one file at
+    once take turns (a hold on the file), so that their records never interleave, on a shared file system too."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("ab+") as f:
+    try:
+        hold = hold_file(path, "stop it if it is stuck", wait_s=APPEND_WAIT_S)
+    except HeldError as err:
+        print("".join(json.dumps(r) + "\n" for r in records), end="")  # the records, kept on stdout
+        _fail(f"{err}; the records above were not appended (waited {APPEND_WAIT_S:g} s)")
+    with hold, path.open("ab+") as f:
         f.seek(0, os.SEEK_END)
         if f.tell() > 0:
             f.seek(-1, os.SEEK_END)

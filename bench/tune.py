@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from argparse import Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,9 @@ import yaml
 
 from bench.env import REPO, environment, read_records
 from bench.sweep import SweepRun, command
-from common.cli import output_file
+from common.cli import ArgumentParser, output_file
 from common.files import write_text_atomically
+from common.hold import HeldError, hold_file
 from pipeline.loaders import dali_installed, resolve_backend
 from trainer.config import (
     Config,
@@ -471,6 +473,15 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(f"{args.config}_tuned.yaml")
     if out.suffix not in (".yaml", ".yml"):
         parser.error(f"--out must name a .yaml file, got {out}")
+    try:
+        hold = hold_file(out, "wait for it to end, or choose another --out")
+    except HeldError as err:
+        parser.error(str(err))
+    with hold:
+        return _tune(parser, args, overrides, out)
+
+
+def _tune(parser: ArgumentParser, args: Namespace, overrides: dict[str, str], out: Path) -> int:
     if not args.overwrite and (out.exists() or out.with_suffix(".json").exists()):
         parser.error(f"{out} (or its .json) exists: pass --overwrite to replace it")
     if min(args.budget_s, args.repeats, args.steps, args.ranks, args.micro_batches) <= 0 or args.margin < 0:

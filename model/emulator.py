@@ -19,6 +19,7 @@ import torch
 
 from common.cli import ArgumentParser, existing_dir, output_file
 from common.files import written_atomically
+from common.hold import HeldError, hold_file
 from model.checkpoints import (
     CHECKPOINT_DIR,
     LATEST,
@@ -178,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
     try:
-        if args.out.exists() and not args.overwrite:
-            raise EmulatorError(f"{args.out} exists: --overwrite replaces it, or choose another --out")
-        emulator = from_run_dir(args.run_dir or latest_run(), args.tag)
-        export(emulator, args.out)
-    except EmulatorError as err:
+        with hold_file(args.out, "wait for it to end, or choose another --out"):
+            if args.out.exists() and not args.overwrite:
+                raise EmulatorError(f"{args.out} exists: --overwrite replaces it, or choose another --out")
+            emulator = from_run_dir(args.run_dir or latest_run(), args.tag)
+            export(emulator, args.out)
+    except (EmulatorError, HeldError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {args.out} from {emulator.source}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from common.cli import ArgumentParser, existing_dir, existing_file, output_dir
+from common.hold import hold_directory
 from model.emulator import Emulator, from_run_dir, from_weights, latest_run
 from model.figures import phases, slices, spectra
 from model.metrics import Normalization, compare, spectra_table
@@ -143,6 +145,26 @@ def evaluate_file(prediction: Path, truth: Path, inputs: Path, out_dir: Path, la
     return metrics
 
 
+def _predict(args: Namespace, emulator: Emulator, out_dir: Path) -> None:
+    """Predict into ``out_dir`` and, where a truth is at hand, evaluate the prediction there."""
+    overlap = emulator.spec.crop_size // 4 if args.overlap is None else args.overlap
+    prediction = predict_file(
+        emulator, args.input, out_dir, overlap, args.batch, torch.device(args.device), args.npy_layout
+    )
+    log.info("wrote %s", prediction)
+    truth = args.truth or (args.input if args.input.suffix != ".npy" else None)
+    if truth is None:
+        return
+    if truth.suffix != ".npy" and HYDRO_DATASET not in h5py.File(truth, "r"):
+        log.info("%s holds no %s: no metrics", truth, HYDRO_DATASET)
+        return
+    metrics = evaluate_file(prediction, truth, args.input, out_dir, args.npy_layout)
+    log.info("L1 %.5f (mean over channels, normalized units)", metrics["l1_mean"])
+    print(spectra_table(metrics), flush=True)
+    figures = ", ".join(str(out_dir / name) for name in ("slices.png", "spectra.png", "phases.png"))
+    log.info("wrote %s, %s", out_dir / "metrics.json", figures)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m model.predict", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group()
@@ -173,21 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = args.run_dir or latest_run()
             emulator, default_out = from_run_dir(run_dir, args.tag), run_dir / "prediction"
         out_dir = args.out or default_out
-        overlap = emulator.spec.crop_size // 4 if args.overlap is None else args.overlap
-        prediction = predict_file(
-            emulator, args.input, out_dir, overlap, args.batch, torch.device(args.device), args.npy_layout
-        )
-        log.info("wrote %s", prediction)
-        truth = args.truth or (args.input if args.input.suffix != ".npy" else None)
-        if truth is not None:
-            if truth.suffix != ".npy" and HYDRO_DATASET not in h5py.File(truth, "r"):
-                log.info("%s holds no %s: no metrics", truth, HYDRO_DATASET)
-                return 0
-            metrics = evaluate_file(prediction, truth, args.input, out_dir, args.npy_layout)
-            log.info("L1 %.5f (mean over channels, normalized units)", metrics["l1_mean"])
-            print(spectra_table(metrics), flush=True)
-            figures = ", ".join(str(out_dir / name) for name in ("slices.png", "spectra.png", "phases.png"))
-            log.info("wrote %s, %s", out_dir / "metrics.json", figures)
+        with hold_directory(out_dir, "wait for it to end, or choose another --out"):
+            _predict(args, emulator, out_dir)
     except (DataError, FileNotFoundError, ValueError) as err:
         log.error("%s", err)
         return 2

@@ -14,6 +14,7 @@ import numpy as np
 
 from common.cli import ArgumentParser, existing_file, output_file
 from common.files import written_atomically
+from common.hold import HeldError, hold_file
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
 
 
@@ -52,8 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     args = parser.parse_args(argv)
     try:
-        written = convert(args.h5_path, args.out_prefix, args.layout, args.overwrite)
-    except DataError as err:
+        with hold_file(args.out_prefix, "wait for it to end, or choose another --out_prefix"):
+            written = convert(args.h5_path, args.out_prefix, args.layout, args.overwrite)
+    except (DataError, HeldError) as err:
         parser.error(str(err))
     for path in written:
         print(f"wrote {path}")

@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
+from model.checkpoints import newest_intact
 from tests.conftest import REPO, TINY_ARGS, logged, run_train, single_process_env, start_train, tiny_args, wait_until
 from trainer.errors import HostfileError
 from trainer.hostfile import parse_hostfile
@@ -164,6 +165,31 @@ def test_overwrite_is_explicit_and_deletes_only_once_the_new_run_has_passed_its_
     assert _tree(interrupted) == leftover
 
 
+def test_a_run_directory_has_one_writer(data, tmp_path):
+    """A second start in the directory of a run that is training, to continue it or to replace it, is refused in one
+    line naming the holder and touches nothing; the first run goes on, stops on request and leaves no hold."""
+    run = tmp_path / "run"
+    proc = start_train(_args(data, run, "--num_epochs", "200"))
+    try:
+        wait_until(proc, lambda: logged(run, '"loss/train"'), 240, "the first run never trained")
+        for second in (["--run_dir", str(run), "--resume"], _args(data, run, "--overwrite")):
+            line = _one_error_line(run_train(second))
+            assert f"{run} is held by process {proc.pid} (ds_train.py) on " in line
+            assert line.endswith("wait for it to end, or choose another --run_dir")
+            assert proc.poll() is None and not (run / ".overwritten").exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 75
+    finally:
+        proc.kill()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["preempted"] and summary["steps"] > 0
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and not (run / "metrics.abandoned.jsonl").exists()  # one writer's history
+    tag, damaged = newest_intact(run)
+    assert tag == (run / "checkpoints" / "latest").read_text() and not damaged
+    assert not (run / ".hold").exists() and not (run / ".hold.json").exists()
+
+
 # --- checkpoints are never lost --------------------------------------------------------------------------
 
 
@@ -185,6 +211,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(data, tmp_path):
     assert not (ckpt / "step00000004").exists()
     result = run_train(["--run_dir", str(run), "--resume"])
     assert result.returncode == 0, result.stderr[-2000:]
+    assert f"took over the hold of process {proc.pid} (ds_train.py)" in result.stderr  # the killed run's, at once
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == {"epoch": 1, "batch_in_epoch": 0} and summary["finished"]
     assert not list(ckpt.glob(".*.partial"))  # the leftover was cleaned up by the next save

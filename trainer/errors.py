@@ -5,6 +5,7 @@ import re
 
 import torch
 
+from common.hold import HeldError
 from pipeline.volumes import DataError
 
 
@@ -28,8 +29,8 @@ class NumericalError(RuntimeError):
     """Training produced numbers it cannot continue from (NaN or Inf losses, NaN weights)."""
 
 
-# Bad input: config, data, environment, checkpoint, hostfile.
-USER_ERRORS = (ConfigError, DataError, DistError, CheckpointError, HostfileError)
+# Bad input: config, data, environment, checkpoint, hostfile, an output another process holds.
+USER_ERRORS = (ConfigError, DataError, DistError, CheckpointError, HostfileError, HeldError)
 
 
 def out_of_memory(err: torch.OutOfMemoryError, micro_batch: int, crop: int, device: str, where: str) -> ConfigError:

@@ -1,6 +1,7 @@
 """The run directory: the names of what a run leaves in it, where a new run goes, and the records written there.
 
-A new run never reuses a directory that holds an earlier run unless ``--overwrite`` says so; even then the
+A run holds its directory for its whole life (``common.hold``): another run that wants it is refused, naming the
+holder. A new run never reuses a directory that holds an earlier run unless ``--overwrite`` says so; even then the
 earlier run is only set aside (renamed into ``.overwritten``) and deleted once the new run has passed its
 checks, or put back where it was if the new run stops before that. Records (the resolved config, the summary)
 are replaced atomically.
@@ -8,8 +9,10 @@ are replaced atomically.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +21,7 @@ from typing import Any
 import torch.distributed as torch_dist
 
 from common.files import write_text_atomically
+from common.hold import HeldError, Hold, hold_directory, holder_of
 from model.checkpoints import CHECKPOINT_DIR, RUN_CONFIG
 from trainer.config import Config, to_dict
 from trainer.dist import DistEnv
@@ -36,6 +40,8 @@ PROFILE = "profile"
 RUN_FILES = (CONFIG, METRICS, ABANDONED_METRICS, SUMMARY, LOG, TENSORBOARD, PROFILE, CHECKPOINT_DIR)
 # --overwrite moves the earlier run here, and deletes it only once the new run has passed its checks.
 SET_ASIDE = ".overwritten"
+RUNS = Path("runs")
+HELD = "wait for it to end, or choose another --run_dir"
 
 
 def refuse_leftover_set_aside(run_dir: Path) -> None:
@@ -50,6 +56,9 @@ def saved_config(run_dir: Path | None) -> dict[str, Any]:
     """What a run to be resumed recorded in its run directory: its name and config."""
     if run_dir is None:
         raise ConfigError("--resume needs --run_dir")
+    holder = holder_of(run_dir) if (run_dir / SET_ASIDE).exists() else None
+    if holder is not None:  # not left over: a run is starting there with --overwrite right now
+        raise HeldError(f"{run_dir} is held by {holder.describe()}: {HELD}")
     refuse_leftover_set_aside(run_dir)
     path = run_dir / CONFIG
     if not path.is_file():
@@ -68,21 +77,57 @@ def configure_logging(rank: int) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
-class RunDir:
-    """One run's directory, the same on every rank; rank 0 writes into it."""
+def new_run_path(name: str) -> Path:
+    """A directory of its own for a run: ``runs/<name>-<date>-<time>``, with the Slurm job id where there is one,
+    made here; ``-2``, ``-3``... added where another start took the name first."""
+    job = os.environ.get("SLURM_JOB_ID")
+    base = f"{name}-{time.strftime('%Y%m%d-%H%M%S')}" + (f"-{job}" if job else "")
+    RUNS.mkdir(parents=True, exist_ok=True)
+    path, taken = RUNS / base, itertools.count(2)
+    while True:
+        try:
+            path.mkdir()  # atomic, on shared file systems too: of two starts, one makes it
+            return path
+        except FileExistsError:
+            path = RUNS / f"{base}-{next(taken)}"
 
-    def __init__(self, path: Path, dist: DistEnv, set_aside: bool) -> None:
-        self.path, self.dist, self.set_aside = path, dist, set_aside
+
+class RunDir:
+    """One run's directory, the same on every rank; rank 0 holds it for the run's life and writes into it."""
+
+    def __init__(self, path: Path, dist: DistEnv, set_aside: bool, hold: Hold | None) -> None:
+        self.path, self.dist, self.set_aside, self.hold = path, dist, set_aside, hold
         self.started = False
+
+    @staticmethod
+    def _hold(path: Path | None, name: str, dist: DistEnv) -> tuple[Path, Hold | None]:
+        """Rank 0 holds the directory (a new one for ``path`` None); every rank learns where, or why not."""
+        hold, outcome = None, [path, None]
+        if dist.is_main:
+            try:
+                outcome[0] = path = path or new_run_path(name)
+                hold = hold_directory(path, HELD)
+            except (HeldError, OSError) as err:
+                outcome[1] = err
+        torch_dist.broadcast_object_list(outcome, src=0)
+        if outcome[1] is not None:
+            raise outcome[1]
+        return outcome[0], hold
 
     @classmethod
     def claim(cls, path: Path | None, name: str, dist: DistEnv, resume: bool, overwrite: bool) -> RunDir:
-        """The directory for this run (``runs/<name>-<date>-<time>`` by default), made on rank 0; an earlier run in
-        it is set aside with ``overwrite``, continued with ``resume``, and otherwise a one-line error."""
-        if path is None:
-            stamp: list[Any] = [time.strftime("%Y%m%d-%H%M%S")]
-            torch_dist.broadcast_object_list(stamp, src=0)  # ranks start at slightly different times
-            path = Path("runs") / f"{name}-{stamp[0]}"
+        """The directory for this run (a new one by default), held by rank 0; an earlier run in it is set aside
+        with ``overwrite``, continued with ``resume``, and otherwise a one-line error."""
+        path, hold = cls._hold(path, name, dist)
+        try:
+            return cls._claim(path, hold, dist, resume, overwrite)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
+
+    @classmethod
+    def _claim(cls, path: Path, hold: Hold | None, dist: DistEnv, resume: bool, overwrite: bool) -> RunDir:
         refuse_leftover_set_aside(path)
         earlier = [entry for entry in RUN_FILES if (path / entry).exists()]
         set_aside = bool(earlier) and not resume
@@ -105,7 +150,7 @@ class RunDir:
             handler.setFormatter(logging.getLogger().handlers[0].formatter)
             logging.getLogger().addHandler(handler)
             log.info("run directory %s", path)
-        return cls(path, dist, set_aside)
+        return cls(path, dist, set_aside, hold)
 
     def start(self, name: str, cfg: Config, ds_config: dict[str, Any]) -> None:
         """Every rank passed its checks: an earlier run set aside goes for good, and the resolved config is written."""
@@ -128,7 +173,23 @@ class RunDir:
         if self.dist.is_main:
             write_text_atomically(self.path / SUMMARY, json.dumps(summary, indent=2) + "\n")
 
-    def release(self) -> None:
+    def check_held(self) -> None:
+        """Before writing a checkpoint, on every rank: HeldError where another run took the directory over (this
+        one's hold was not renewed for a whole lease: a process stopped, or a file system gone that long)."""
+        lost = [self.hold is not None and self.hold.lost]
+        torch_dist.broadcast_object_list(lost, src=0)
+        if lost[0]:
+            raise HeldError(f"{self.path}: another run took the directory over; this one stops without saving")
+
+    def close(self) -> None:
+        """The run ends: an earlier run set aside by a run that did not start goes back, and the hold goes."""
+        try:
+            self._put_back()
+        finally:
+            if self.hold is not None:
+                self.hold.release()
+
+    def _put_back(self) -> None:
         """After a run that did not start: the earlier run set aside is put back where it was, replacing what the
         failed start wrote (its log, its metrics)."""
         if self.started or not self.set_aside or not self.dist.is_main:

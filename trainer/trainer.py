@@ -136,6 +136,7 @@ class Trainer:
             "nonfinite_losses": self.guard.nonfinite_losses,
             "config_name": self.name,
         }
+        self.run.check_held()
         tag = save_checkpoint(self.engine, self.run_dir, state, self.cfg.checkpoint_keep)
         log.info("checkpoint %s saved", tag)
 
