@@ -1,5 +1,11 @@
+import json
+import socket
+import subprocess
+import sys
+
 import pytest
 
+from tests.conftest import REPO, TINY_ARGS, single_process_env
 from trainer.dist import DistEnv, first_host, gpu_index, tasks_on_node
 from trainer.errors import DistError
 
@@ -145,3 +151,125 @@ def test_one_visible_gpu_exported_to_every_rank_is_not_a_gpu_per_task():
     # A torchrun inside a task of a --gpus-per-task job inherits its variables: its ranks still share the GPU.
     with pytest.raises(DistError, match="visible to each"):
         gpu_index(1, 2, 1, GPU_PER_TASK, srun_tasks=False)
+
+
+# --- launch faults, provoked for real: one line each, within dist_timeout_s -------------------------------------
+
+START = """
+import json, os, sys, time
+from trainer.dist import DistEnv, init_distributed
+from trainer.errors import DistError
+start = time.monotonic()
+try:
+    init_distributed(DistEnv.from_environ(), float(sys.argv[1]))
+    import torch, torch.distributed as dist
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(json.dumps({"ranks": total.item()}))
+except DistError as err:
+    print(json.dumps({"error": str(err), "s": time.monotonic() - start}))
+"""
+
+
+def _start(timeout_s: float, **env: str) -> subprocess.Popen:
+    variables = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", **env}
+    return subprocess.Popen(
+        [sys.executable, "-c", START, str(timeout_s)],
+        cwd=REPO,
+        env={**single_process_env(), "PYTHONPATH": str(REPO), **variables},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _outcome(proc: subprocess.Popen) -> dict:
+    out, _ = proc.communicate(timeout=120)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_launch_faults_are_one_line_each_within_the_timeout():
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    port = str(taken.getsockname()[1])
+    free = str(_free_port())  # nobody listens there
+    bound = "within 2 s (dist_timeout_s, 600 s by default)"
+    cases = {
+        "a taken port": (
+            {"MASTER_PORT": port},
+            f"rank 0: the rendezvous port {port} (MASTER_PORT) is taken on this host, by another job or a second "
+            "process started as rank 0: set MASTER_PORT to a free port",
+        ),
+        "an unresolvable host": (
+            {"MASTER_PORT": free, "MASTER_ADDR": "no-such-host.invalid"},
+            "rank 0: the rendezvous host no-such-host.invalid (MASTER_ADDR) cannot be resolved",
+        ),
+        "nobody at the rendezvous": (
+            {"MASTER_PORT": free, "RANK": "1", "WORLD_SIZE": "2"},
+            f"rank 1: could not reach the rendezvous 127.0.0.1:{free} {bound}",
+        ),
+        "a rank that never arrives": (
+            {"MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"},
+            "rank 0: only 1 of 2 ranks reached the rendezvous 127.0.0.1:",
+        ),
+        "a backend that cannot start": (
+            {"MASTER_PORT": str(_free_port()), "GLOO_SOCKET_IFNAME": "nosuch0"},
+            "rank 0: the gloo backend could not start: this host has no network interface nosuch0 "
+            "(GLOO_SOCKET_IFNAME=nosuch0)",
+        ),
+        "not a port": ({"MASTER_PORT": "70000"}, "the rendezvous port 70000 (MASTER_PORT) is not a port"),
+    }
+    try:
+        procs = {name: _start(2, **env) for name, (env, _) in cases.items()}
+        outcomes = {name: _outcome(proc) for name, proc in procs.items()}
+    finally:
+        taken.close()
+    for name, (_, expected) in cases.items():
+        outcome = outcomes[name]
+        assert outcome.get("error", "").startswith(expected), (name, outcome)
+        assert outcome["s"] < 2 + 15, (name, outcome)  # bounded by dist_timeout_s
+    assert bound in outcomes["a rank that never arrives"]["error"]
+
+
+def test_ranks_started_with_one_rank_or_two_world_sizes_are_one_line_and_the_group_goes_on():
+    port = str(_free_port())
+    ranks = [_start(20, MASTER_PORT=port, WORLD_SIZE="2", RANK=r, LOCAL_RANK=r) for r in ("0", "1", "1")]
+    outcomes = [_outcome(p) for p in ranks]
+    assert [o for o in outcomes if "error" not in o] == [{"ranks": 2.0}] * 2, outcomes  # the group of two goes on
+    (twice,) = [o["error"] for o in outcomes if "error" in o]
+    assert twice.startswith("rank 1 was started twice (process ") and "give each process a RANK of its own" in twice
+    port = str(_free_port())
+    mixed = [_start(20, MASTER_PORT=port, WORLD_SIZE=w, RANK=r, LOCAL_RANK=r) for r, w in (("0", "2"), ("1", "3"))]
+    first, second = (_outcome(p)["error"] for p in mixed)
+    assert "rank 0: rank 1 (" in first and "was started with WORLD_SIZE=3, not 2" in first
+    assert second == "rank 1: WORLD_SIZE=3 here but 2 at rank 0: start every rank with the same WORLD_SIZE"
+
+
+def test_a_run_whose_rendezvous_port_is_taken_ends_in_one_line(tmp_path):
+    """As srun or torchrun would start it, with MASTER_PORT held by another process."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        launched = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        result = subprocess.run(
+            [sys.executable, "ds_train.py", *TINY_ARGS, "--run_dir", str(tmp_path / "run")],
+            cwd=REPO,
+            env={**single_process_env(), **launched, "MASTER_PORT": str(port)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    assert line.endswith(
+        f"rank 0: the rendezvous port {port} (MASTER_PORT) is taken on this host, by another job or "
+        "a second process started as rank 0: set MASTER_PORT to a free port (the launchers' --master_port)"
+    )
+    assert not (tmp_path / "run").exists()

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -119,6 +120,8 @@ class DistEnv:
                     environ["SLURM_NTASKS"],
                 )
             return cls(0, 0, 1, 1, environ.get("MASTER_ADDR", "127.0.0.1"), _free_port())
+        if not 0 < env.master_port < 2**16:
+            raise DistError(f"the rendezvous port {env.master_port} (MASTER_PORT) is not a port: choose one in 1-65535")
         if not 0 <= env.rank < env.world_size or not 0 <= env.local_rank < env.local_world_size:
             raise DistError(
                 f"inconsistent ranks from the {env.source}: rank {env.rank}, local rank {env.local_rank}, "
@@ -237,11 +240,124 @@ def announce_cpu_comm_build() -> None:
         log.info("building DeepSpeed's CPU communication op, once (about 40 s; cached in %s)", build)
 
 
+def _resolve(dist: DistEnv) -> None:
+    """A rendezvous host that cannot be resolved is one line at once, not a connection retried until the timeout."""
+    try:
+        socket.getaddrinfo(dist.master_addr, dist.master_port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as err:
+        why = err.strerror if isinstance(err, socket.gaierror) else str(err)
+        raise DistError(
+            f"rank {dist.rank}: the rendezvous host {dist.master_addr} (MASTER_ADDR) cannot be resolved ({why}): "
+            "set MASTER_ADDR to a name or address of rank 0's host that every node can resolve"
+        ) from None
+
+
+def _rendezvous_fault(err: Exception, dist: DistEnv, timeout_s: float) -> DistError:
+    """torch's error at the rendezvous, as one line saying what failed and what to change."""
+    text = " ".join(str(err).split())
+    where = f"{dist.master_addr}:{dist.master_port}"
+    bound = f"{timeout_s:g} s (dist_timeout_s, 600 s by default)"
+    if "EADDRINUSE" in text:
+        return DistError(
+            f"rank {dist.rank}: the rendezvous port {dist.master_port} (MASTER_PORT) is taken on this host, by another "
+            "job or a second process started as rank 0: set MASTER_PORT to a free port (the launchers' --master_port)"
+        )
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:
+        return DistError(
+            f"rank 0: only {joined[1]} of {joined[2]} ranks reached the rendezvous {where} within {bound}: start every "
+            "rank, each with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, where rank 0's host can be reached"
+        )
+    if "timed out" in text and "connect" in text or "Connection was likely closed" in text:
+        return DistError(
+            f"rank {dist.rank}: could not reach the rendezvous {where} within {bound}: rank 0 is not running there, "
+            "has ended, or the network between the hosts blocks the port; check MASTER_ADDR and MASTER_PORT"
+        )
+    return DistError(f"rank {dist.rank}: the rendezvous at {where} failed: {text[:300]}")
+
+
+def _roll_call(store: torch_dist.Store, dist: DistEnv, timeout_s: float) -> None:
+    """Every rank answers once, before the process group forms: a WORLD_SIZE that differs from rank 0's, a RANK
+    given to two processes, or a rank that never comes is one line, where torch would hang or go on with a broken
+    group. The second process started with a RANK stops; the ranks of the group go on."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's store outlives its restarts
+    prefix, me = f"roll_call/{attempt}", f"{socket.gethostname()}:{os.getpid()}"
+    fault = f"{prefix}/fault"
+    if dist.is_main:
+        store.set(f"{prefix}/world_size", str(dist.world_size))
+    world = int(store.get(f"{prefix}/world_size"))
+    if world != dist.world_size:
+        store.set(fault, f"rank {dist.rank} ({me}) was started with WORLD_SIZE={dist.world_size}")
+        raise DistError(
+            f"rank {dist.rank}: WORLD_SIZE={dist.world_size} here but {world} at rank 0: start every rank with the "
+            "same WORLD_SIZE"
+        )
+    first = store.compare_set(f"{prefix}/rank{dist.rank}", "", me).decode()
+    if first != me:
+        raise DistError(
+            f"rank {dist.rank} was started twice (process {first} first, then this one, {me}): this one stops; give "
+            "each process a RANK of its own"
+        )
+    keys = [f"{prefix}/rank{r}" for r in range(dist.world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if store.check([fault]):
+            raise DistError(
+                f"rank {dist.rank}: {store.get(fault).decode()}, not {dist.world_size}: start every rank "
+                "with the same WORLD_SIZE"
+            )
+        if time.monotonic() > deadline:
+            missing = [str(r) for r, key in enumerate(keys) if not store.check([key])]
+            raise DistError(
+                f"rank {dist.rank}: rank(s) {', '.join(missing[:16])} did not reach the rendezvous within "
+                f"{timeout_s:g} s (dist_timeout_s, 600 s by default): start every rank, each with its own RANK"
+            )
+        time.sleep(0.05)
+
+
+def _start_process_group(dist: DistEnv, backend: str, gpu: int | None, timeout_s: float) -> None:
+    """The rendezvous (rank 0 serves it, or torchrun's agent does), the roll call, then the process group: bound to
+    this rank's GPU as DeepSpeed binds it, so that NCCL starts here rather than at the first collective."""
+    _resolve(dist)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = torch_dist.TCPStore(
+            dist.master_addr,
+            dist.master_port,
+            dist.world_size,
+            is_master=dist.is_main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+            timeout=timeout,
+            multi_tenant=True,
+        )
+        _roll_call(store, dist, timeout_s)
+    except (torch_dist.DistError, RuntimeError) as err:
+        raise _rendezvous_fault(err, dist, timeout_s) from None
+    try:
+        torch_dist.init_process_group(
+            backend,
+            store=store,
+            rank=dist.rank,
+            world_size=dist.world_size,
+            timeout=timeout,
+            device_id=torch.device("cuda", gpu) if gpu is not None and dist.world_size > 1 else None,
+        )
+    except (torch_dist.DistError, RuntimeError) as err:
+        text = " ".join(str(err).split())
+        missing = re.search(r"Unable to find address for: (\S+)", text)
+        if missing:
+            variable = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+            raise DistError(
+                f"rank {dist.rank}: the {backend} backend could not start: this host has no network interface "
+                f"{missing[1]} ({variable}={os.environ.get(variable, '')}): name one it has (ip -br addr), or unset it"
+            ) from None
+        raise DistError(f"rank {dist.rank}: the {backend} backend could not start: {text[:300]}") from None
+
+
 def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     """Start torch.distributed (NCCL on GPUs, gloo on CPUs) and pick this rank's device.
 
-    ``timeout_s`` bounds how long a collective waits for a rank that is gone (its launcher should
-    end the job first; this is the backstop).
+    ``timeout_s`` bounds how long the rendezvous waits for the ranks, and a collective for a rank that is gone (its
+    launcher should end the job first; this is the backstop). A rendezvous or backend that fails is one DistError.
     """
     device_type = get_accelerator().device_name()
     dist.export()
@@ -260,9 +376,9 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
         if dist.is_main:
             announce_cpu_comm_build()
         settle_build_lock(_CPU_COMM_OP, clears=dist.local_rank == 0)
-    deepspeed.init_distributed(
-        dist_backend="nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    _start_process_group(dist, backend, index, timeout_s)
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))  # wraps the group
     started = {"launcher": "a launcher's variables", "slurm": "srun's variables", "single": "no launcher"}[dist.source]
     log.info(
         "rank %d of %d on %s (local rank %d of %d on this node), from %s; rendezvous %s:%d",
