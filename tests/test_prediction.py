@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -12,12 +13,14 @@ import numpy as np
 import pytest
 import torch
 
+from common.hold import hold_directory, hold_file
 from model import UNet
 from model.emulator import Emulator, EmulatorSpec, export, from_run_dir, from_weights
 from model.emulator import main as export_main
 from model.metrics import Normalization, _shells, compare, contrast, spectra, spectra_table
 from model.predict import main as predict_main
 from model.tiling import periodic_window, predict_box, tile_starts
+from pipeline.convert import main as convert_main
 from pipeline.layout import LOG_DENSITY_SCALE
 from tests.conftest import REPO, run_train, tiny_args
 
@@ -333,6 +336,26 @@ def test_export_never_replaces_a_file_unasked_and_bad_sources_are_one_line(train
         assert predict_main(["--weights", str(weights), "--input", str(val), "--out", str(tmp_path / "p"), *extra]) == 2
         errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
         assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_outputs_another_writer_holds_are_refused_in_one_line(trained, tiny_data, tmp_path, capsys, caplog):
+    """model.export, model.predict and pipeline.convert while their output is held (here by this process, as
+    another writer would hold it): one line naming the holder, status 2, nothing written."""
+    run, val = trained["run"], trained["val"]
+    held = f"is held by process {os.getpid()}"
+    out = tmp_path / "emulator.pt"
+    with hold_file(out, ""):
+        assert export_main(["--run_dir", str(run), "--out", str(out)]) == 2
+    assert held in capsys.readouterr().err and not out.exists()
+    predicted = tmp_path / "prediction"
+    with hold_directory(predicted, ""):
+        assert predict_main(["--run_dir", str(run), "--input", str(val), "--out", str(predicted)]) == 2
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and held in errors[0] and not (predicted / "prediction.h5").exists()
+    with hold_file(tmp_path / "box", ""), pytest.raises(SystemExit) as exit_:
+        convert_main([str(tiny_data["train"]), "--out_prefix", str(tmp_path / "box")])
+    assert exit_.value.code == 2 and held in capsys.readouterr().err
+    assert not list(tmp_path.glob("box_*"))
 
 
 def test_science_metrics_during_training(trained, tmp_path):
