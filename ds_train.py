@@ -41,7 +41,7 @@ SWITCHES = {
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
     """Fixed options, plus every config key as an override (returned as dotted key -> raw value)."""
     usage = "%(prog)s [--config NAME] [--run_dir DIR] [--resume | --overwrite] [--KEY VALUE ...]"
-    parser = config_parser("ds_train.py", __doc__.split("\n\n")[0], sys.argv[1:] if argv is None else argv, usage)
+    parser = config_parser("ds_train.py", __doc__.split("\n\n")[0], sys.argv[1:] if argv is None else argv, usage=usage)
     parser.add_argument(
         "--run_dir",
         type=output_dir,
@@ -66,13 +66,23 @@ def main(argv: list[str] | None = None) -> int:
         dist = DistEnv.from_environ()
         configure_logging(dist.rank)
         if args.resume:
-            name, cfg = resumed_config(saved_config(args.run_dir), overrides, args.allow_config_change)
+            name, cfg = resumed_config(saved_config(args.run_dir), overrides, allow_change=args.allow_config_change)
         else:
             name, cfg = args.config, build_config(load_named(args.yaml_config, args.config), overrides)
         device = init_distributed(dist, cfg.dist_timeout_s)
         run = RunDir.claim(args.run_dir, name, dist, resume=args.resume, overwrite=args.overwrite)
         prepare_data(cfg, dist)
-        trainer = Trainer(cfg, name, dist, device, run, args.resume, args.stop_after_epoch, stop, args.profile)
+        trainer = Trainer(
+            cfg=cfg,
+            name=name,
+            dist=dist,
+            device=device,
+            run=run,
+            resume=args.resume,
+            stop_after_epoch=args.stop_after_epoch,
+            stop=stop,
+            profile=args.profile,
+        )
         trainer.wait_for_every_rank()
         run.start(name, cfg, trainer.ds_config)
         summary = trainer.train()

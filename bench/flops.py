@@ -78,7 +78,7 @@ def peak_flops(device_name: str, precision: str) -> tuple[float | None, str]:
 
 
 def utilization(
-    samples_per_s: float, flops: dict[str, float], device_name: str, precision: str, devices: int = 1
+    samples_per_s: float, flops: dict[str, float], device_name: str, *, precision: str, devices: int = 1
 ) -> dict[str, Any]:
     """Achieved TFLOP/s of ``samples_per_s`` training samples, and MFU against ``devices`` x the device's peak.
 

@@ -38,7 +38,7 @@ from pipeline.volumes import VolumeFiles, VolumePair
 
 RESULTS = REPO / "bench" / "results" / "pipeline.jsonl"
 DOC = REPO / "docs" / "benchmarks.md"  # the page whose tables bench.pipeline and bench.report regenerate
-AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
+AUG = Augmenter(in_channels=4, out_channels=5, in_vectors=[[1, 2, 3]], out_vectors=[[1, 2, 3]])
 
 
 class ReferenceStyleCrops(Dataset):
@@ -79,7 +79,7 @@ class PlainCopies:
     into one reused buffer (then moved to the GPU, if any). No pipeline that cuts these crops can beat the memory
     bandwidth this measures; each case's fraction of it is how close to the machine it runs."""
 
-    def __init__(self, volumes: VolumePair, plan: DrawPlan, threads: int, device: torch.device) -> None:
+    def __init__(self, volumes: VolumePair, plan: DrawPlan, threads: int, *, device: torch.device) -> None:
         self.nbody, self.hydro = volumes.nbody, volumes.hydro  # already in memory
         self.plan, self.device = plan, device
         self.pool = ThreadPoolExecutor(max_workers=threads)
@@ -104,7 +104,7 @@ class PlainCopies:
         self.pool.shutdown(wait=True)
 
 
-def _time_batches(batches: Any, warmup: int, measured: int, device: torch.device, batch: int) -> dict[str, float]:
+def _time_batches(batches: Any, warmup: int, measured: int, *, device: torch.device, batch: int) -> dict[str, float]:
     """Discard ``warmup`` batches, then time ``measured`` ones (synchronizing the device at both ends only)."""
     iterator = iter(batches)
     for _ in range(warmup):
@@ -144,9 +144,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     env = environment()
     records = []
     for crop in args.crops:
-        volumes = VolumePair.open(VolumeFiles.hdf5(path), 4, 5, crop)
+        volumes = VolumePair.open(VolumeFiles.hdf5(path), 4, 5, crop_size=crop)
         npy_files = VolumeFiles.npy(f"{npy}_data.npy", f"{npy}_label.npy", "CDHW")
-        npy_volumes = VolumePair.open(npy_files, 4, 5, crop) if Path(npy_files.inputs).exists() else None
+        npy_volumes = VolumePair.open(npy_files, 4, 5, crop_size=crop) if Path(npy_files.inputs).exists() else None
         total = args.batch * (args.warmup + args.batches)
         plan = DrawPlan(
             seed=0, num_samples=total, batch_size=args.batch, box_size=volumes.box_size, crop_size=crop, rotate=True
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         in_memory = volumes.load()
         cases: dict[str, Any] = {
-            "limit": lambda v=in_memory, p=plan: PlainCopies(v, p, args.threads, device),
+            "limit": lambda v=in_memory, p=plan: PlainCopies(v, p, args.threads, device=device),
             "baseline": baseline,
         }
         for backend in backends:
@@ -171,9 +171,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if case.endswith("-npy") and npy_volumes is None:
                     continue  # not asked for
                 storage = case.removesuffix("-npy")
-                settings = LoaderSettings(backend, storage, "float16", args.threads, lookahead=2)
+                settings = LoaderSettings(
+                    backend=backend, storage=storage, device_storage_dtype="float16", threads=args.threads, lookahead=2
+                )
                 v = npy_volumes if case.endswith("-npy") else volumes
-                cases[f"{backend}-{case}"] = lambda s=settings, v=v, p=plan: build_loader(v, p, AUG, s, device, dtype)
+                cases[f"{backend}-{case}"] = lambda s=settings, v=v, p=plan: build_loader(
+                    v, p, AUG, settings=s, device=device, dtype=dtype
+                )
         if args.cases:
             unknown = sorted(set(args.cases) - set(cases))
             if unknown:
@@ -186,7 +190,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for repeat in range(args.repeats):
             for case, make in cases.items():
                 batches = make()
-                results[case].append(_time_batches(batches, args.warmup, args.batches, device, args.batch))
+                results[case].append(_time_batches(batches, args.warmup, args.batches, device=device, batch=args.batch))
                 batches.close()  # its work ahead must not overlap the next case's timing
                 print(
                     f"crop {crop}^3, {case}, repeat {repeat + 1}: {results[case][-1]['samples_per_s']:.1f} samples/s",

@@ -26,7 +26,7 @@ PACKAGES = REPO / "bench" / "offline_packages.txt"
 MINIMUMS = {"typing_extensions": "4.16", "pydantic": "2.0"}
 
 
-def listed(dali: bool) -> list[tuple[str, str]]:
+def listed(*, dali: bool) -> list[tuple[str, str]]:
     """(distribution, module) pairs of bench/offline_packages.txt; the [dali] section with ``dali``."""
     pairs, section = [], "base"
     for raw in PACKAGES.read_text().splitlines():
@@ -56,10 +56,10 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
-def problems(dali: bool, gpu: bool) -> tuple[list[str], list[str]]:
+def problems(*, dali: bool, gpu: bool) -> tuple[list[str], list[str]]:
     """(what stops the project: missing modules, versions below MINIMUMS; packages older than their pins)."""
     found, older = [], []
-    for distribution, module in listed(dali):
+    for distribution, module in listed(dali=dali):
         try:
             present = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dali", action="store_true", help="check NVIDIA DALI and its requirements too")
     parser.add_argument("--gpu", action="store_true", help="check that torch sees a CUDA device")
     args = parser.parse_args(argv)
-    found, older = problems(args.dali, args.gpu)
+    found, older = problems(dali=args.dali, gpu=args.gpu)
     if older:
         print(f"preflight: older than this project's pins (tested with those): {', '.join(older)}")
     if found:

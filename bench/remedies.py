@@ -49,7 +49,7 @@ def _run(command: list[str]) -> None:
         sys.exit(f"failed (exit status {result.returncode}): {' '.join(command)}")
 
 
-def run_arm(config: str, arm: str, seed: int, out_dir: Path, val_path: str) -> dict[str, Any]:
+def run_arm(config: str, arm: str, seed: int, *, out_dir: Path, val_path: str) -> dict[str, Any]:
     """Train the arm with this seed (unless its directory holds a finished run) and predict the validation box."""
     run_dir = out_dir / f"{config}-{arm.replace('=', '_').replace(',', '+')}-seed{seed}"
     summary_path, metrics_path = run_dir / SUMMARY, run_dir / "prediction" / "metrics.json"
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     env = environment()
     for arm in args.arms:
         for seed in args.seeds:
-            record = run_arm(args.config, arm, seed, args.out_dir, val_path) | env
+            record = run_arm(args.config, arm, seed, out_dir=args.out_dir, val_path=val_path) | env
             append_records(args.out, [record])
     records = [r for r in read_records(args.out) if r["config"] == args.config and r["arm"] in args.arms]
     print(table(records) + "\n\n" + range_table(records))

@@ -41,7 +41,7 @@ PRECISION_JSON = {
 }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SweepRun:
     sweep: str
     label: str
@@ -56,7 +56,11 @@ def interleave_repeats(cases: list[SweepRun], sweeps: tuple[str, ...], repeats: 
     machine falls on every case alike; the report takes the median per case."""
     once = [c for c in cases if c.sweep not in sweeps]
     repeated = [c for c in cases if c.sweep in sweeps]
-    rounds = [SweepRun(c.sweep, c.label, c.ranks, c.modes, c.options, r) for r in range(repeats) for c in repeated]
+    rounds = [
+        SweepRun(sweep=c.sweep, label=c.label, ranks=c.ranks, modes=c.modes, options=c.options, repeat=r)
+        for r in range(repeats)
+        for c in repeated
+    ]
     return once + rounds
 
 
@@ -69,15 +73,26 @@ def cpu_smoke(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
     base = ["--config", "debug", "--deepspeed_config", PRECISION_JSON["fp32"]]
     one_thread = ["--cpu_threads", "1", "--num_data_workers", "1"]
     rounds = ["--rounds", "3"]  # the engine and the plain loop in turn: the ratio sees no drift between them
-    cases = [SweepRun("baseline", "micro 8", 1, ["io", "synthetic", "full", "plain"], _batch(8, 1) + rounds)]
-    cases += [SweepRun("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (2, 4, 8, 16)]
+    cases = [
+        SweepRun(
+            sweep="baseline",
+            label="micro 8",
+            ranks=1,
+            modes=["io", "synthetic", "full", "plain"],
+            options=_batch(8, 1) + rounds,
+        )
+    ]
+    cases += [
+        SweepRun(sweep="micro-batch", label=f"micro {m}", ranks=1, modes=["synthetic"], options=_batch(m, 1))
+        for m in (2, 4, 8, 16)
+    ]
     cases += [
         SweepRun(
-            "precision",
-            "bf16",
-            1,
-            ["synthetic", "plain"],
-            _batch(8, 1) + rounds + ["--deepspeed_config", PRECISION_JSON["bf16"]],
+            sweep="precision",
+            label="bf16",
+            ranks=1,
+            modes=["synthetic", "plain"],
+            options=_batch(8, 1) + rounds + ["--deepspeed_config", PRECISION_JSON["bf16"]],
         )
     ]
     # Scaling at micro-batch 16, where one rank's throughput saturates (the micro-batch sweep); the
@@ -85,15 +100,22 @@ def cpu_smoke(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
     ranks = [n for n in (1, 2, 4, 8) if n <= max_ranks]
     # The plain loop runs too: DDP overlaps its all-reduce with backward, ZeRO stage 0 does not.
     cases += [
-        SweepRun("weak", f"{n} rank(s), micro 16", n, ["synthetic", "plain"], _batch(16, n) + one_thread) for n in ranks
+        SweepRun(
+            sweep="weak",
+            label=f"{n} rank(s), micro 16",
+            ranks=n,
+            modes=["synthetic", "plain"],
+            options=_batch(16, n) + one_thread,
+        )
+        for n in ranks
     ]
     cases += [
         SweepRun(
-            "strong",
-            f"{n} rank(s), global 32",
-            n,
-            ["synthetic"],
-            ["--global_batch_size", "32", "--base_batch_size", "32"] + one_thread,
+            sweep="strong",
+            label=f"{n} rank(s), global 32",
+            ranks=n,
+            modes=["synthetic"],
+            options=["--global_batch_size", "32", "--base_batch_size", "32"] + one_thread,
         )
         for n in ranks
     ]
@@ -119,30 +141,46 @@ def gpu(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
         "256",
     ]
     cases = [
-        SweepRun("baseline", "micro 64", 1, ["io", "synthetic", "full", "plain"], _batch(64, 1) + ["--rounds", "3"])
+        SweepRun(
+            sweep="baseline",
+            label="micro 64",
+            ranks=1,
+            modes=["io", "synthetic", "full", "plain"],
+            options=_batch(64, 1) + ["--rounds", "3"],
+        )
     ]
-    cases += [SweepRun("micro-batch", f"micro {m}", 1, ["synthetic"], _batch(m, 1)) for m in (16, 32, 64, 128)]
+    cases += [
+        SweepRun(sweep="micro-batch", label=f"micro {m}", ranks=1, modes=["synthetic"], options=_batch(m, 1))
+        for m in (16, 32, 64, 128)
+    ]
     cases += [
         SweepRun(
-            "precision",
-            p,
-            1,
-            ["synthetic", "plain"],
-            _batch(64, 1) + ["--rounds", "3", "--deepspeed_config", PRECISION_JSON[p]],
+            sweep="precision",
+            label=p,
+            ranks=1,
+            modes=["synthetic", "plain"],
+            options=_batch(64, 1) + ["--rounds", "3", "--deepspeed_config", PRECISION_JSON[p]],
         )
         for p in ("fp32", "bf16")
     ]
     ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
     cases += [
-        SweepRun("weak", f"{n} rank(s), micro 64", n, ["synthetic", "full", "plain"], _batch(64, n)) for n in ranks
+        SweepRun(
+            sweep="weak",
+            label=f"{n} rank(s), micro 64",
+            ranks=n,
+            modes=["synthetic", "full", "plain"],
+            options=_batch(64, n),
+        )
+        for n in ranks
     ]
     cases += [
         SweepRun(
-            "strong",
-            f"{n} rank(s), global 512",
-            n,
-            ["synthetic"],
-            ["--global_batch_size", "512", "--base_batch_size", "512"],
+            sweep="strong",
+            label=f"{n} rank(s), global 512",
+            ranks=n,
+            modes=["synthetic"],
+            options=["--global_batch_size", "512", "--base_batch_size", "512"],
         )
         for n in ranks
         if 512 % n == 0
@@ -192,18 +230,18 @@ def gpu_speed(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
     every = [option for switch in FAST_PATHS.values() for option in switch]
 
     def case(
-        precision: str, what: str, switches: list[str], sweep: str = "speed", modes=("synthetic", "full")
+        precision: str, what: str, switches: list[str], *, sweep: str = "speed", modes=("synthetic", "full")
     ) -> SweepRun:
         common = _batch(64, 1) + ["--deepspeed_config", PRECISION_JSON[precision], "--warmup", "10"] + PLAIN_PATH
-        return SweepRun(sweep, f"{precision} {what}", 1, list(modes), common + switches)
+        return SweepRun(sweep=sweep, label=f"{precision} {what}", ranks=1, modes=list(modes), options=common + switches)
 
     headline = [
         case(
             "fp16",
             "channels_last + cudnn.benchmark",
             HEADLINE + ["--rounds", "2"],
-            "headline",
-            ("synthetic", "full", "plain"),
+            sweep="headline",
+            modes=("synthetic", "full", "plain"),
         )
     ]
     paths = [
@@ -233,11 +271,11 @@ def gpu_comm(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
     configs = {0: "ds_configs/ds_fp16.json", 1: "ds_configs/ds_fp16_zero1.json", 2: "ds_configs/ds_fp16_zero2.json"}
     cases = [
         SweepRun(
-            f"weak-zero{stage}",
-            f"{n} rank(s), micro 64, ZeRO {stage}",
-            n,
-            ["synthetic"],
-            _batch(64, n) + ["--deepspeed_config", json_path],
+            sweep=f"weak-zero{stage}",
+            label=f"{n} rank(s), micro 64, ZeRO {stage}",
+            ranks=n,
+            modes=["synthetic"],
+            options=_batch(64, n) + ["--deepspeed_config", json_path],
         )
         for stage, json_path in configs.items()
         for n in ranks
@@ -247,11 +285,11 @@ def gpu_comm(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
         zero2 = _batch(64, n) + ["--deepspeed_config", configs[2], "--deepspeed_overrides"]
         cases += [
             SweepRun(
-                "zero2-settings",
-                f"{n} rank(s), micro 64, ZeRO 2, {name}",
-                n,
-                ["synthetic"],
-                zero2 + [json.dumps(override)],
+                sweep="zero2-settings",
+                label=f"{n} rank(s), micro 64, ZeRO 2, {name}",
+                ranks=n,
+                modes=["synthetic"],
+                options=zero2 + [json.dumps(override)],
             )
             for name, override in ZERO2_SETTINGS.items()
         ]
@@ -294,7 +332,7 @@ def merge_overrides(options: list[str]) -> list[str]:
     return rest + (["--deepspeed_overrides", json.dumps(merged)] if found else [])
 
 
-def train_options(base: list[str], case: SweepRun, args: argparse.Namespace, run_id: str) -> list[str]:
+def train_options(base: list[str], case: SweepRun, args: argparse.Namespace, *, run_id: str) -> list[str]:
     """The options of ``python -m bench.train`` for one case of a sweep."""
     # The case's own options override the sweep's (more warm-up to compile, say); the user's override both.
     return merge_overrides(
@@ -322,7 +360,7 @@ def train_options(base: list[str], case: SweepRun, args: argparse.Namespace, run
     )
 
 
-def check_cases(base: list[str], cases: list[SweepRun], args: argparse.Namespace, device_type: str) -> list[tuple]:
+def check_cases(base: list[str], cases: list[SweepRun], args: argparse.Namespace, *, device_type: str) -> list[tuple]:
     """Every case makes a valid run on ``device_type`` (its options, its batches over its ranks, its DeepSpeed
     JSON, DALI where its crops need it), checked before the first one starts, so that a typo costs seconds, not an
     allocation.
@@ -334,7 +372,7 @@ def check_cases(base: list[str], cases: list[SweepRun], args: argparse.Namespace
     checked = []
     for case in cases:
         try:
-            options, cfg = parse_args(train_options(base, case, args, "check"))
+            options, cfg = parse_args(train_options(base, case, args, run_id="check"))
             plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, case.ranks)
             ds_config = engine_config(cfg, case.ranks, device_type)  # the run's own, peak learning rate included
         except ConfigError as err:
@@ -391,12 +429,12 @@ def main(argv: list[str] | None = None) -> None:
     compared = tuple(sorted({c.sweep for c in cases if c.sweep.startswith(("weak", "strong", "zero2-settings"))}))
     cases = interleave_repeats(cases, compared, args.scaling_repeats)
     cases = [c for c in cases if not args.only or c.sweep in args.only]
-    checked = check_cases(base, cases, args, "cuda" if torch.cuda.is_available() else "cpu")
+    checked = check_cases(base, cases, args, device_type="cuda" if torch.cuda.is_available() else "cpu")
     write_synthetic_data([cfg for _, cfg, _ in checked])
     run_id = args.run_id or time.strftime("%Y%m%dT%H%M%S")
     failures = []
     for case in cases:
-        cmd = [*command(case, args.launcher, args.ranks_per_node), *train_options(base, case, args, run_id)]
+        cmd = [*command(case, args.launcher, args.ranks_per_node), *train_options(base, case, args, run_id=run_id)]
         print(f"[{case.sweep}] {case.label} (run {case.repeat + 1}): {' '.join(case.modes)}", flush=True)
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         if result.returncode != 0:

@@ -50,7 +50,7 @@ from trainer.engine import precision_name
 from trainer.errors import USER_ERRORS
 from trainer.provenance import rank_hosts
 from trainer.rundir import configure_logging
-from trainer.step import StepGuard, micro_step
+from trainer.step import StepGuard, clocked, micro_step, phase
 
 RESULTS = REPO / "bench" / "results" / "train.jsonl"
 MODES = ("io", "synthetic", "full", "plain")
@@ -58,37 +58,43 @@ log = logging.getLogger("bench.train")
 
 
 class Marks:
-    """Timestamps inside steps: CUDA events on a GPU (read once, at the end), the host clock on a CPU."""
+    """Where the phases of each timed step began and ended (``trainer.step.clocked``): CUDA events on a GPU, read
+    once at the end, and the host clock on a CPU."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, *, cuda: bool) -> None:
         self.cuda = cuda
-        self.steps: list[dict[str, Any]] = []
+        self.steps: list[dict[str, list[list[Any]]]] = []
 
     def step(self) -> None:
         self.steps.append({})
 
-    def mark(self, name: str) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.steps[-1].setdefault(name, []).append(event)
-        else:
-            self.steps[-1].setdefault(name, []).append(time.perf_counter())
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self, name: str) -> None:
+        self.steps[-1].setdefault(name, []).append([self._now(), None])
+
+    def end(self, name: str) -> None:
+        self.steps[-1][name][-1][1] = self._now()
 
     def _ms(self, a: Any, b: Any) -> float:
         return a.elapsed_time(b) if self.cuda else 1000 * (b - a)
 
-    def phase_ms(self, start: str, end: str) -> list[float]:
-        """Per step, the time from each ``start`` mark to the next ``end`` mark, summed over micro-steps."""
+    def phase_ms(self, name: str) -> list[float]:
+        """Per step, the time in phase ``name``, summed over its micro-steps."""
         if self.cuda:
             torch.cuda.synchronize()
-        return [sum(self._ms(a, b) for a, b in zip(s[start], s[end], strict=True)) for s in self.steps if start in s]
+        return [sum(self._ms(a, b) for a, b in s[name]) for s in self.steps if name in s]
 
     def step_ms(self) -> list[float]:
-        """Per step, from its first mark to the next step's first mark (so data waits are included)."""
+        """Per step, from its first phase's beginning to the next step's (so data waits are included)."""
         if self.cuda:
             torch.cuda.synchronize()
-        firsts = [next(iter(s.values()))[0] for s in self.steps]
+        firsts = [next(iter(s.values()))[0][0] for s in self.steps if s]
         return [self._ms(a, b) for a, b in zip(firsts, firsts[1:], strict=False)]
 
 
@@ -100,19 +106,20 @@ def percentiles(values: list[float], prefix: str) -> dict[str, float]:
     }
 
 
-def timed(step: Callable[[Marks], float], warmup: int, steps: int, cuda: bool) -> dict[str, Any]:
+def timed(step: Callable[[], float], warmup: int, steps: int, *, cuda: bool) -> dict[str, Any]:
     """Run ``warmup`` steps untimed, then ``steps`` timed ones; ``step`` returns its seconds of data wait."""
     for _ in range(warmup):
-        step(Marks(cuda))
-    marks = Marks(cuda)
+        step()
+    marks = Marks(cuda=cuda)
     if cuda:
         torch.cuda.synchronize()
     start, wait_s = time.perf_counter(), 0.0
-    for _ in range(steps):
-        marks.step()
-        wait_s += step(marks)
+    with clocked(marks):
+        for _ in range(steps):
+            marks.step()
+            wait_s += step()
     marks.step()
-    marks.mark("end")  # closes the last step for step_ms
+    marks.begin("end")  # closes the last step for step_ms
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
@@ -123,7 +130,7 @@ class TrainBench:
     """One process's benchmark: the run's data and engine, built as the trainer builds them, and the four ways to
     step them."""
 
-    def __init__(self, cfg: Config, dist: DistEnv, device: Device, data: RunData, setup: EngineSetup) -> None:
+    def __init__(self, cfg: Config, dist: DistEnv, device: Device, *, data: RunData, setup: EngineSetup) -> None:
         self.cfg, self.dist, self.device, self.setup = cfg, dist, device, setup
         self.cuda = device.type == "cuda"
         self.engine = engine = setup.engine
@@ -133,7 +140,7 @@ class TrainBench:
         self.loss_fn = build_loss(cfg)
         # the training loader only: the benchmark validates nothing
         self.train_loader = data.train_loader(
-            dist, self.micro, self.accumulation, setup.steps_per_epoch, device, setup.dtype
+            dist, self.micro, self.accumulation, steps_per_epoch=setup.steps_per_epoch, device=device, dtype=setup.dtype
         )
         generator = torch.Generator(device=engine.device).manual_seed(cfg.seed + dist.rank)
         shape = (self.micro, cfg.data_size, cfg.data_size, cfg.data_size)
@@ -151,37 +158,29 @@ class TrainBench:
     def _next_batch(self) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
         """A batch from the training loader (a new epoch when one ends) and the seconds spent waiting."""
         start = time.perf_counter()
-        while True:
-            if self._batches is None:
-                self._batches = iter(self.train_loader)
-            try:
-                return next(self._batches), time.perf_counter() - start
-            except StopIteration:
-                self._batches = None
+        with phase("data_wait"):
+            while True:
+                if self._batches is None:
+                    self._batches = iter(self.train_loader)
+                try:
+                    return next(self._batches), time.perf_counter() - start
+                except StopIteration:
+                    self._batches = None
 
-    def io_step(self, marks: Marks) -> float:
-        wait = 0.0
-        for _ in range(self.accumulation):
-            if marks.steps:
-                marks.mark("start")
-            _, waited = self._next_batch()
-            wait += waited
-        return wait
+    def io_step(self) -> float:
+        return sum(self._next_batch()[1] for _ in range(self.accumulation))
 
-    def engine_step(self, marks: Marks, synthetic: bool) -> float:
+    def engine_step(self, *, synthetic: bool) -> float:
+        """The training loop's micro-steps and checks (one reduction and host sync where the config asks for them)."""
         engine, wait = self.engine, 0.0
+        where = lambda: f"step {engine.global_steps}"  # noqa: E731
         for _ in range(self.accumulation):
             if synthetic:
                 inputs, targets = self.batch
             else:
                 (inputs, targets), waited = self._next_batch()
                 wait += waited
-            if marks.steps:
-                marks.mark("start")
-            # The training loop's step and checks (one reduction and host sync where the config asks for them);
-            # marks at the end of each phase while timing.
-            where = lambda: f"step {engine.global_steps}"  # noqa: E731
-            micro_step(engine, inputs, targets, self.loss_fn, self.guard, where, marks.mark if marks.steps else None)
+            micro_step(engine, inputs, targets, loss_fn=self.loss_fn, guard=self.guard, where=where)
         return wait
 
     def plain(self) -> Callable[[Marks], float]:
@@ -205,33 +204,27 @@ class TrainBench:
         scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
         inputs, targets = self.batch[0].float(), self.batch[1]
 
-        def step(marks: Marks) -> float:
+        def step() -> float:
             for micro in range(self.accumulation):
-                if marks.steps:
-                    marks.mark("start")
-                with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+                with phase("forward"), torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
                     loss = self.loss_fn(model(inputs), targets) / self.accumulation
-                if marks.steps:
-                    marks.mark("forward")
-                scaler.scale(loss).backward()
-                if marks.steps:
-                    marks.mark("backward")
+                with phase("backward"):
+                    scaler.scale(loss).backward()
                 if micro == self.accumulation - 1:
-                    scaler.step(optimizer)
-                    scaler.update()
-                    optimizer.zero_grad(set_to_none=True)
-                if marks.steps:
-                    marks.mark("optimizer")
+                    with phase("optimizer_step"):
+                        scaler.step(optimizer)
+                        scaler.update()
+                        optimizer.zero_grad(set_to_none=True)
             return 0.0
 
         return step
 
-    def runs(self, modes: list[str], warmup: int, steps: int, rounds: int) -> dict[str, dict[str, Any]]:
+    def runs(self, modes: list[str], warmup: int, steps: int, *, rounds: int) -> dict[str, dict[str, Any]]:
         """Per mode, ``rounds`` timed runs taken in turn with the other modes, summarized in one record."""
         steppers = {
             "io": self.io_step,
-            "synthetic": lambda marks: self.engine_step(marks, synthetic=True),
-            "full": lambda marks: self.engine_step(marks, synthetic=False),
+            "synthetic": lambda: self.engine_step(synthetic=True),
+            "full": lambda: self.engine_step(synthetic=False),
         }
         if "plain" in modes:
             steppers["plain"] = self.plain()
@@ -241,7 +234,7 @@ class TrainBench:
             for mode in modes:
                 if self.cuda:
                     torch.cuda.reset_peak_memory_stats()
-                results[mode].append(timed(steppers[mode], warmup, steps, self.cuda))
+                results[mode].append(timed(steppers[mode], warmup, steps, cuda=self.cuda))
                 peak_gib[mode] = max(
                     peak_gib.get(mode, 0.0), torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0
                 )
@@ -261,12 +254,13 @@ class TrainBench:
             **percentiles(step_ms, "step_ms"),
         }
         if "forward" in all_marks[0].steps[0]:
-            for name, (a, b) in {
-                "forward": ("start", "forward"),
-                "backward": ("forward", "backward"),
-                "optimizer": ("backward", "optimizer"),
+            for name, phase_name in {
+                "forward": "forward",
+                "backward": "backward",
+                "optimizer": "optimizer_step",
             }.items():
-                record[f"{name}_ms_p50"] = statistics.median(ms for marks in all_marks for ms in marks.phase_ms(a, b))
+                times = [ms for marks in all_marks for ms in marks.phase_ms(phase_name)]
+                record[f"{name}_ms_p50"] = statistics.median(times)
         if self.cuda:
             record.update(mem_peak_gib=device_peak_gib, mem_kind="device")
         else:
@@ -314,7 +308,7 @@ def measure(argv: list[str] | None) -> None:
     prepare_data(cfg, dist)
     data = build_data(cfg, dist, device)
     setup = build_engine(cfg, dist, device)
-    bench = TrainBench(cfg, dist, device, data, setup)
+    bench = TrainBench(cfg, dist, device, data=data, setup=setup)
     try:
         flops = model_flops(UNetSpec.from_config(to_dict(cfg)), cfg.data_size)
         env = environment()
@@ -323,7 +317,7 @@ def measure(argv: list[str] | None) -> None:
         # MFU is over every device the job uses: each GPU, or each node's CPU (shared by its ranks).
         devices = dist.world_size if device.type == "cuda" else dist.world_size // dist.local_world_size
         precision = precision_name(setup.dtype)
-        for mode, result in bench.runs(args.modes, args.warmup, args.steps, args.rounds).items():
+        for mode, result in bench.runs(args.modes, args.warmup, args.steps, rounds=args.rounds).items():
             record = {
                 "bench": "train",
                 "sweep": args.sweep,
@@ -358,7 +352,7 @@ def measure(argv: list[str] | None) -> None:
                 **result,
                 **flops,
                 **(
-                    utilization(result["samples_per_s"], flops, env["device"], precision, devices)
+                    utilization(result["samples_per_s"], flops, env["device"], precision=precision, devices=devices)
                     if mode != "io"
                     else {}
                 ),

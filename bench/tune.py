@@ -104,7 +104,7 @@ PRECISIONS = {
 STAGES = ("micro_batch", "precision", "threads", "data_threads", "fast_paths", "zero", "storage", "backend")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Candidate:
     stage: str
     label: str
@@ -182,8 +182,11 @@ class Tuner:
         cfg, gpu, ranks = self.current(), self.device_type == "cuda", self.args.ranks
         template = load_ds_template(cfg.deepspeed_config, cfg.deepspeed_overrides)
 
-        def options(key: str, values: list[Any], now: Any, label: str, setting=lambda v: v) -> list[Candidate]:
-            return [Candidate(stage, label.format(v), {} if v == now else {key: setting(v)}) for v in values]
+        def options(key: str, values: list[Any], now: Any, *, label: str, setting=lambda v: v) -> list[Candidate]:
+            return [
+                Candidate(stage=stage, label=label.format(v), settings={} if v == now else {key: setting(v)})
+                for v in values
+            ]
 
         if stage == "micro_batch":
             per_rank = cfg.global_batch_size // ranks
@@ -191,12 +194,16 @@ class Tuner:
             now = cfg.micro_batch_size or per_rank
             return [
                 Candidate(
-                    stage, f"micro {m} x accumulation {per_rank // m}", {} if m == now else {"micro_batch_size": m}
+                    stage=stage,
+                    label=f"micro {m} x accumulation {per_rank // m}",
+                    settings={} if m == now else {"micro_batch_size": m},
                 )
                 for m in sorted(set(sizes) | {now}, reverse=True)
             ]
         if stage == "precision":
-            found = options("deepspeed_overrides", list(PRECISIONS), _precision(template), "{}", PRECISIONS.get)
+            found = options(
+                "deepspeed_overrides", list(PRECISIONS), _precision(template), label="{}", setting=PRECISIONS.get
+            )
             for c in found:
                 if c.label == "fp16" and not gpu:
                     c.status, c.reason = "not available here", "fp16 training needs a GPU (DeepSpeed's CPU accelerator)"
@@ -209,17 +216,17 @@ class Tuner:
             cores = max(1, len(os.sched_getaffinity(0)) // ranks)
             now = cfg.cpu_threads or cores
             return options(
-                "cpu_threads", sorted({cores, max(1, cores // 2), now}, reverse=True), now, "{} torch threads"
+                "cpu_threads", sorted({cores, max(1, cores // 2), now}, reverse=True), now, label="{} torch threads"
             )
         if stage == "data_threads":
             if cfg.storage == "device":
                 return "with storage device the crops are cut by the training device, not by data threads"
             now = cfg.num_data_workers
-            return options("num_data_workers", sorted({1, 2, 4, now}), now, "{} data threads")
+            return options("num_data_workers", sorted({1, 2, 4, now}), now, label="{} data threads")
         if stage == "fast_paths":
             if not gpu:
                 return "channels-last, cuDNN autotuning and torch.compile are GPU fast paths"
-            found = [Candidate(stage, "as chosen so far", {})]
+            found = [Candidate(stage=stage, label="as chosen so far", settings={})]
             # what each switch is on a GPU now (null: channels_last and cudnn_benchmark on), then its opposite
             now = {
                 "channels_last": channels_last_on(cfg, "cuda"),
@@ -227,22 +234,31 @@ class Tuner:
                 "compile": cfg.compile,
             }
             for key, value in now.items():
-                found.append(Candidate(stage, f"{key} {not value}", {key: not value}))
+                found.append(Candidate(stage=stage, label=f"{key} {not value}", settings={key: not value}))
             if now["cudnn_benchmark"] and cfg.cudnn_benchmark_limit != 0:  # cuDNN times every algorithm it has
-                found.append(Candidate(stage, "cudnn_benchmark_limit 0", {"cudnn_benchmark_limit": 0}))
+                found.append(
+                    Candidate(stage=stage, label="cudnn_benchmark_limit 0", settings={"cudnn_benchmark_limit": 0})
+                )
             return found
         if stage == "zero":
             if not gpu or ranks == 1:
                 return "ZeRO partitions state across ranks: tuned with several GPU ranks only"
             now = template.get("zero_optimization", {}).get("stage", 0)
             return options(
-                "deepspeed_overrides", [0, 1, 2], now, "ZeRO {}", lambda v: {"zero_optimization": {"stage": v}}
+                "deepspeed_overrides",
+                [0, 1, 2],
+                now,
+                label="ZeRO {}",
+                setting=lambda v: {"zero_optimization": {"stage": v}},
             )
         if stage == "storage":
-            return options("storage", ["lazy", "host", "device"], cfg.storage, "storage {}")
+            return options("storage", ["lazy", "host", "device"], cfg.storage, label="storage {}")
         if stage == "backend":
             found = options(
-                "backend", ["torch", "dali"], resolve_backend(cfg.backend, self.device_type, cfg.storage), "backend {}"
+                "backend",
+                ["torch", "dali"],
+                resolve_backend(cfg.backend, self.device_type, cfg.storage),
+                label="backend {}",
             )
             if not dali_installed():
                 found[1].status, found[1].reason = "not available here", "NVIDIA DALI is not installed"
@@ -285,7 +301,13 @@ class Tuner:
                 ", what was left kept for the final comparison" if reserve else ""
             )
             return
-        cmd = [*command(SweepRun("tune", c.label, self.args.ranks, ["full"]), "deepspeed", self.args.ranks)]
+        cmd = [
+            *command(
+                SweepRun(sweep="tune", label=c.label, ranks=self.args.ranks, modes=["full"]),
+                "deepspeed",
+                self.args.ranks,
+            )
+        ]
         cmd += self.options(c, round_)
         print(f"[{c.stage}] {c.label} (round {round_ + 1})", flush=True)
         start = time.monotonic()
@@ -322,10 +344,12 @@ class Tuner:
         found = self.stage_candidates(stage) if found is None else found
         if isinstance(found, str):
             print(f"[{stage}] skipped: {found}", flush=True)
-            self.candidates.append(Candidate(stage, "(stage skipped)", {}, status="not applicable", reason=found))
+            self.candidates.append(
+                Candidate(stage=stage, label="(stage skipped)", settings={}, status="not applicable", reason=found)
+            )
             return
         if not any(c.settings == {} for c in found):
-            found.insert(0, Candidate(stage, "as chosen so far", {}))
+            found.insert(0, Candidate(stage=stage, label="as chosen so far", settings={}))
         self.candidates += found
         for round_ in range(self.args.repeats):
             for c in found:
@@ -358,9 +382,9 @@ class Tuner:
         """The named config and the tuned one, in turn, with the rounds that remain of the repeats."""
         tuned_settings = dict(self.chosen)
         self.chosen = {}
-        original = Candidate("final", "named config", {})
+        original = Candidate(stage="final", label="named config", settings={})
         # nothing measured faster: the tuned config is the named one, measured once
-        tuned = Candidate("final", "tuned config", tuned_settings) if tuned_settings else original
+        tuned = Candidate(stage="final", label="tuned config", settings=tuned_settings) if tuned_settings else original
         measured = [original] if tuned is original else [original, tuned]
         self.candidates += measured
         for round_ in range(self.final_rounds):
@@ -402,7 +426,7 @@ def check_recipe(original: Config, tuned: Config) -> None:
         raise AssertionError(f"the tuner changed the recipe: {', '.join(changed)}")
 
 
-def write_outputs(tuner: Tuner, original: Candidate, tuned: Candidate, out: Path, spent_s: float) -> str:
+def write_outputs(tuner: Tuner, original: Candidate, tuned: Candidate, *, out: Path, spent_s: float) -> str:
     name = f"{tuner.args.config}_tuned"
     mapping = tuner.mapping()
     env = environment()
@@ -478,10 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     except HeldError as err:
         parser.error(str(err))
     with hold:
-        return _tune(parser, args, overrides, out)
+        return _tune(parser, args, overrides, out=out)
 
 
-def _tune(parser: ArgumentParser, args: Namespace, overrides: dict[str, str], out: Path) -> int:
+def _tune(parser: ArgumentParser, args: Namespace, overrides: dict[str, str], *, out: Path) -> int:
     if not args.overwrite and (out.exists() or out.with_suffix(".json").exists()):
         parser.error(f"{out} (or its .json) exists: pass --overwrite to replace it")
     if min(args.budget_s, args.repeats, args.steps, args.ranks, args.micro_batches) <= 0 or args.margin < 0:
@@ -496,7 +520,7 @@ def _tune(parser: ArgumentParser, args: Namespace, overrides: dict[str, str], ou
             if not sep or key.strip() not in TUNABLE:
                 parser.error(f"--try {text}: expected KEY=VALUE with KEY one of {', '.join(TUNABLE)}")
             settings[key.strip()] = parse_value(value.strip())
-        extra.append(Candidate("tried", text, settings))
+        extra.append(Candidate(stage="tried", label=text, settings=settings))
     try:
         raw = load_named(args.yaml_config, args.config)
         for key, value in overrides.items():
@@ -525,7 +549,7 @@ def _tune(parser: ArgumentParser, args: Namespace, overrides: dict[str, str], ou
             file=sys.stderr,
         )
         return 1
-    name = write_outputs(tuner, original, tuned, out, spent)
+    name = write_outputs(tuner, original, tuned, out=out, spent_s=spent)
     print(
         f"wrote {out} ({name}) and {out.with_suffix('.json')}: {_rate(tuned)} against {_rate(original)} for "
         f"{args.config}, in {spent:.0f} s of a {args.budget_s:g} s budget",

@@ -67,7 +67,7 @@ def _command() -> str:
     return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "python"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Holder:
     """Who holds, as its record says."""
 
@@ -146,7 +146,7 @@ def _lease_s() -> float:
 class Hold:
     """A hold taken by this process on ``target`` (see ``hold_directory`` and ``hold_file``)."""
 
-    def __init__(self, target: Path, lock: Path, record: Path, what: str) -> None:
+    def __init__(self, target: Path, lock: Path, record: Path, *, what: str) -> None:
         self.target, self.lock, self.record, self.what = target, lock, record, what
         self.holder = Holder.me(_lease_s())
         self._fd: int | None = None
@@ -304,7 +304,7 @@ class Hold:
             self.record.unlink(missing_ok=True)
         self._unlock(remove=True)
 
-    def _unlock(self, remove: bool) -> None:
+    def _unlock(self, *, remove: bool) -> None:
         if self._fd is None:
             return
         if remove:
@@ -322,20 +322,20 @@ class Hold:
 def hold_directory(path: Path, what: str, wait_s: float = 0.0) -> Hold:
     """Hold directory ``path`` (made if need be); ``what`` tells a refused process what to do instead."""
     path.mkdir(parents=True, exist_ok=True)
-    return Hold(path, path / ".hold", path / ".hold.json", what).take(wait_s)
+    return Hold(path, path / ".hold", path / ".hold.json", what=what).take(wait_s)
 
 
 def hold_file(path: Path, what: str, wait_s: float = 0.0) -> Hold:
     """Hold output file ``path`` (whether or not it exists yet), by files beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return Hold(path, path.with_name(f".{path.name}.hold"), path.with_name(f".{path.name}.hold.json"), what).take(
+    return Hold(path, path.with_name(f".{path.name}.hold"), path.with_name(f".{path.name}.hold.json"), what=what).take(
         wait_s
     )
 
 
 def holder_of(path: Path) -> Holder | None:
     """The live holder of directory ``path``, judged as a start would judge it, without taking the hold."""
-    peek = Hold(path, path / ".hold", path / ".hold.json", "")
+    peek = Hold(path, path / ".hold", path / ".hold.json", what="")
     if os.environ.get(FLOCK_ENV, "on") != "off" and peek.lock.exists():
         try:
             peek._flock()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import asdict, astuple, dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from model.unet import UNet, UNetSpec
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EmulatorSpec:
     """What it takes to rebuild and use the network: architecture, crop size and channel layout."""
 
@@ -50,11 +50,18 @@ class EmulatorSpec:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> EmulatorSpec:
         unet = UNetSpec.from_config(config)
-        return cls(*astuple(unet), config["data_size"], config["input_vectors"], config["target_vectors"])
+        return cls(
+            **asdict(unet),
+            crop_size=config["data_size"],
+            input_vectors=config["input_vectors"],
+            target_vectors=config["target_vectors"],
+        )
 
     @property
     def unet(self) -> UNetSpec:
-        return UNetSpec(self.in_channels, self.out_channels, self.width, self.depth)
+        return UNetSpec(
+            in_channels=self.in_channels, out_channels=self.out_channels, width=self.width, depth=self.depth
+        )
 
 
 @dataclass

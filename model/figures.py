@@ -32,7 +32,7 @@ def channel_units(name: str, temperature_log_range: float | None) -> str:
 
 
 def slices(
-    inputs: np.ndarray, true: np.ndarray, pred: np.ndarray, path: Path, temperature_log_range: float | None = None
+    inputs: np.ndarray, true: np.ndarray, pred: np.ndarray, *, path: Path, temperature_log_range: float | None = None
 ) -> Path:
     """Central slices, a row per output channel: the matching input channel (dark-matter density or velocity; none
     for temperature), then true, predicted and predicted - true. Every colorbar names its quantity and units."""
@@ -79,7 +79,7 @@ def slices(
     return path
 
 
-def _limits(values: list[np.ndarray], floor: float, ceiling: float, margin: float) -> tuple[float, float]:
+def _limits(values: list[np.ndarray], floor: float, ceiling: float, *, margin: float) -> tuple[float, float]:
     """An axis range around 1 that holds ``values`` (large and intermediate scales) and at least [floor, ceiling]."""
     finite = np.concatenate(values)
     finite = finite[np.isfinite(finite)]
@@ -101,7 +101,7 @@ def spectra(metrics: dict[str, Any], path: Path) -> Path:
     for ax, stat, floor, ceiling, cap in ((left, "power_ratio", 0.9, 1.1, 1.5), (right, "r", 0.9, 1.0, 1.05)):
         k = np.asarray(metrics[fields[0]]["k"])
         shown = [np.asarray(metrics[f][stat])[k <= upto] for f in fields]
-        lo, hi = _limits(shown, floor, ceiling, 0.02)
+        lo, hi = _limits(shown, floor, ceiling, margin=0.02)
         lo, hi = max(lo, 0.5), min(hi, cap)
         for field in fields:
             values = np.asarray(metrics[field][stat], dtype=float)

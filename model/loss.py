@@ -51,7 +51,7 @@ def crop_power(x: torch.Tensor) -> torch.Tensor:
     return (power / counts)[:, 1:]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Loss:
     """Mean absolute error over all channels, plus the optional terms above. Computed in float32 whatever the
     training precision: exp(14 x) overflows float16 above x = 0.79, and so do powers of a crop."""

@@ -101,7 +101,7 @@ FIELDS = ("gas_density", "temperature")  # the fields of the science target
 VELOCITIES = ("vx", "vy", "vz", "speed")  # the gas velocity's components (normalized units) and its magnitude
 
 
-def compare_spectra(pred: np.ndarray, true: np.ndarray, of_contrast: bool = True) -> dict[str, Any]:
+def compare_spectra(pred: np.ndarray, true: np.ndarray, *, of_contrast: bool = True) -> dict[str, Any]:
     """P_pred / P_true and r(k) per shell, and the last k before the truth's cut-off (None where it has none): of
     the fields' contrasts, or of the fields themselves."""
     s = spectra(contrast(pred), contrast(true)) if of_contrast else spectra(pred, true)
@@ -121,7 +121,7 @@ def _finite(values: np.ndarray) -> list[float | None]:
     return [float(v) if np.isfinite(v) else None for v in values]
 
 
-def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int = 40) -> dict[str, Any]:
+def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, *, bins: int = 40) -> dict[str, Any]:
     """All the statistics for a predicted (5, L, L, L) hydro box against the true one (normalized units)."""
     l1 = {name: float(np.abs(pred[c].astype(np.float64) - true[c]).mean()) for c, name in enumerate(HYDRO_CHANNELS)}
     rho_pred, rho_true = norm.density(pred[0]), norm.density(true[0])
@@ -165,7 +165,7 @@ def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, bins: int =
         "median_log10_T_true": medians["true"],
         "median_log10_T_pred": medians["pred"],
     }
-    result["temperature_density_plane"] = _plane(log_true, log_t_true, log_pred, log_t_pred, bins)
+    result["temperature_density_plane"] = _plane(log_true, log_t_true, log_pred, log_t_pred=log_t_pred, bins=bins)
     ranges = k_ranges(len(result["gas_density"]["k"]))
     result["k_ranges"] = {name: [lo, hi] for name, (lo, hi) in ranges.items()}
     result["target"] = science_target(result, FIELDS)
@@ -186,7 +186,7 @@ def _last_resolved(spectra: dict[str, Any]) -> int:
     return len(spectra["k"]) if cutoff is None else cutoff
 
 
-def _plane(log_rho: np.ndarray, log_t: np.ndarray, log_rho_pred: np.ndarray, log_t_pred: np.ndarray, bins: int):
+def _plane(log_rho: np.ndarray, log_t: np.ndarray, log_rho_pred: np.ndarray, *, log_t_pred: np.ndarray, bins: int):
     """2D histograms (fraction of voxels) of log10 T against log10 density, true and predicted, on the truth's
     ranges (0.1 to 99.9 percentiles), for the temperature-density figure."""
     rho_edges = np.linspace(*np.percentile(log_rho, [0.1, 99.9]), bins + 1)

@@ -48,6 +48,7 @@ def predict_file(
     emulator: Emulator,
     input_path: Path,
     out_dir: Path,
+    *,
     overlap: int,
     batch: int,
     device: torch.device,
@@ -82,11 +83,11 @@ def predict_file(
         emulator.model.to(device),
         volume,
         spec.crop_size,
-        overlap,
-        batch,
-        device,
-        acc,
-        wsum,
+        overlap=overlap,
+        batch=batch,
+        device=device,
+        acc=acc,
+        wsum=wsum,
         progress=sys.stderr.isatty(),
     )
     out = out_dir / "prediction.h5"
@@ -110,6 +111,7 @@ def compare_box(
     model: torch.nn.Module,
     nbody: Any,
     hydro: Any,
+    *,
     norm: Normalization,
     crop: int,
     batch: int,
@@ -121,11 +123,13 @@ def compare_box(
     tiles by default (the trainer's science metrics)."""
     side = side or nbody.shape[1]
     region = np.s_[:, :side, :side, :side]
-    pred = predict_box(model, np.asarray(nbody[region]), hydro.shape[0], crop, crop // 4, batch, device)
+    pred = predict_box(
+        model, np.asarray(nbody[region]), hydro.shape[0], crop=crop, overlap=crop // 4, batch=batch, device=device
+    )
     return compare(pred, np.asarray(hydro[region], dtype=np.float32), norm)
 
 
-def evaluate_file(prediction: Path, truth: Path, inputs: Path, out_dir: Path, layout: str = "CDHW") -> dict:
+def evaluate_file(prediction: Path, truth: Path, inputs: Path, *, out_dir: Path, layout: str = "CDHW") -> dict:
     true_volume, attrs = _open(truth, HYDRO_DATASET, layout)
     with h5py.File(prediction, "r") as f:
         pred = f[HYDRO_DATASET][...]
@@ -138,7 +142,11 @@ def evaluate_file(prediction: Path, truth: Path, inputs: Path, out_dir: Path, la
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     input_volume, _ = _open(inputs, NBODY_DATASET, layout)
     slices(
-        np.asarray(input_volume[...], dtype=np.float32), true, pred, out_dir / "slices.png", norm.temperature_log_range
+        np.asarray(input_volume[...], dtype=np.float32),
+        true,
+        pred,
+        path=out_dir / "slices.png",
+        temperature_log_range=norm.temperature_log_range,
     )
     spectra(metrics, out_dir / "spectra.png")
     phases(metrics, out_dir / "phases.png")
@@ -149,7 +157,13 @@ def _predict(args: Namespace, emulator: Emulator, out_dir: Path) -> None:
     """Predict into ``out_dir`` and, where a truth is at hand, evaluate the prediction there."""
     overlap = emulator.spec.crop_size // 4 if args.overlap is None else args.overlap
     prediction = predict_file(
-        emulator, args.input, out_dir, overlap, args.batch, torch.device(args.device), args.npy_layout
+        emulator,
+        args.input,
+        out_dir,
+        overlap=overlap,
+        batch=args.batch,
+        device=torch.device(args.device),
+        layout=args.npy_layout,
     )
     log.info("wrote %s", prediction)
     truth = args.truth or (args.input if args.input.suffix != ".npy" else None)
@@ -158,7 +172,7 @@ def _predict(args: Namespace, emulator: Emulator, out_dir: Path) -> None:
     if truth.suffix != ".npy" and HYDRO_DATASET not in h5py.File(truth, "r"):
         log.info("%s holds no %s: no metrics", truth, HYDRO_DATASET)
         return
-    metrics = evaluate_file(prediction, truth, args.input, out_dir, args.npy_layout)
+    metrics = evaluate_file(prediction, truth, args.input, out_dir=out_dir, layout=args.npy_layout)
     log.info("L1 %.5f (mean over channels, normalized units)", metrics["l1_mean"])
     print(spectra_table(metrics), flush=True)
     figures = ", ".join(str(out_dir / name) for name in ("slices.png", "spectra.png", "phases.png"))

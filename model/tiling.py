@@ -78,6 +78,7 @@ def accumulate(
     model: UNet,
     volume: Any,
     crop: int,
+    *,
     overlap: int,
     batch: int,
     device: torch.device,
@@ -107,10 +108,10 @@ def accumulate(
 
 
 def predict_box(
-    model: UNet, volume: Any, out_channels: int, crop: int, overlap: int, batch: int, device: torch.device
+    model: UNet, volume: Any, out_channels: int, *, crop: int, overlap: int, batch: int, device: torch.device
 ) -> np.ndarray:
     """The blended prediction of a box that fits in memory, as (C_out, L, L, L) float32."""
     box = volume.shape[1]
     acc, wsum = np.zeros((out_channels, box, box, box)), np.zeros((box, box, box))
-    accumulate(model, volume, crop, overlap, batch, device, acc, wsum)
+    accumulate(model, volume, crop, overlap=overlap, batch=batch, device=device, acc=acc, wsum=wsum)
     return (acc / wsum).astype(np.float32)

@@ -23,9 +23,9 @@ def level_channels(width: int, depth: int) -> list[int]:
     return [min(width * 2**i, 8 * width) for i in range(depth)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class UNetSpec:
-    """The network's architecture: all it takes to build one (``UNet(*spec)`` is ``spec.build()``)."""
+    """The network's architecture: all it takes to build one (``spec.build()``)."""
 
     in_channels: int
     out_channels: int
@@ -35,15 +35,20 @@ class UNetSpec:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> UNetSpec:
         """From a run's config (its keys are the reference's: N_in_channels, unet_width...)."""
-        return cls(config["N_in_channels"], config["N_out_channels"], config["unet_width"], config["unet_depth"])
+        return cls(
+            in_channels=config["N_in_channels"],
+            out_channels=config["N_out_channels"],
+            width=config["unet_width"],
+            depth=config["unet_depth"],
+        )
 
     def build(self) -> UNet:
         """The network, with PyTorch's initialization."""
-        return UNet(self.in_channels, self.out_channels, self.width, self.depth)
+        return UNet(self.in_channels, self.out_channels, self.width, depth=self.depth)
 
 
 class UNet(nn.Module):
-    def __init__(self, in_channels: int = 4, out_channels: int = 5, width: int = 64, depth: int = 6) -> None:
+    def __init__(self, in_channels: int = 4, out_channels: int = 5, width: int = 64, *, depth: int = 6) -> None:
         super().__init__()
         if depth < 2:
             raise ValueError(f"U-Net depth must be at least 2, got {depth}")

@@ -18,7 +18,7 @@ from common.hold import HeldError, hold_file
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
 
 
-def convert(h5_path: Path, out_prefix: Path, layout: str, overwrite: bool = False) -> tuple[Path, Path]:
+def convert(h5_path: Path, out_prefix: Path, layout: str, *, overwrite: bool = False) -> tuple[Path, Path]:
     """The .npy pair of ``h5_path``; DataError, before anything is written, for a file the trainer would refuse
     or outputs that exist (unless ``overwrite``)."""
     volumes = VolumePair.open(VolumeFiles.hdf5(h5_path), None, None, crop_size=1)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         with hold_file(args.out_prefix, "wait for it to end, or choose another --out_prefix"):
-            written = convert(args.h5_path, args.out_prefix, args.layout, args.overwrite)
+            written = convert(args.h5_path, args.out_prefix, args.layout, overwrite=args.overwrite)
     except (DataError, HeldError) as err:
         parser.error(str(err))
     for path in written:

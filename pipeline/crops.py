@@ -21,7 +21,7 @@ from pipeline.sampling import Augmenter, DrawPlan, SampleDraw
 from pipeline.volumes import VolumePair
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CropBatch:
     """One batch, as views of a reusable buffer: valid until the buffer comes round again."""
 
@@ -65,6 +65,7 @@ class CropBatcher:
         volumes: VolumePair,
         plan: DrawPlan,
         augmenter: Augmenter,
+        *,
         rotate_here: bool,
         threads: int,
         lookahead: int = 2,
@@ -115,9 +116,16 @@ class CropBatcher:
     def _cut(self, draw: SampleDraw, inputs: np.ndarray, targets: np.ndarray) -> None:
         if self.rotate_here:
             groups = (self.augmenter.in_vectors, self.augmenter.out_vectors)
-            self.volumes.cut(draw.corner, self.plan.crop_size, ROTATIONS[draw.rotation], groups, inputs, targets)
+            self.volumes.cut(
+                draw.corner,
+                self.plan.crop_size,
+                ROTATIONS[draw.rotation],
+                groups=groups,
+                inputs=inputs,
+                targets=targets,
+            )
         else:
-            self.volumes.read_crop(draw.corner, self.plan.crop_size, inputs, targets)
+            self.volumes.read_crop(draw.corner, self.plan.crop_size, inputs, targets=targets)
 
     def get(self, epoch: int, batch: int) -> CropBatch:
         key = (epoch, batch)
@@ -138,7 +146,12 @@ class CropBatcher:
         inputs, targets = self._ring[slot]
         n = len(draws)
         return CropBatch(
-            inputs[:n], targets[:n], draws, rotated=self.rotate_here, channels_last=self.channels_last, slot=slot
+            inputs=inputs[:n],
+            targets=targets[:n],
+            draws=draws,
+            rotated=self.rotate_here,
+            channels_last=self.channels_last,
+            slot=slot,
         )
 
     def guard(self, batch: CropBatch, guard: Guard) -> None:

@@ -84,12 +84,12 @@ class CropSource(Protocol):
 
     def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> dict[str, Any]: ...
 
-    def cut(self, nodes: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]: ...
+    def cut(self, nodes: dict[str, Any], crop_size: int, *, on_gpu: bool) -> tuple[Any, Any]: ...
 
     def close(self) -> None: ...
 
 
-def _to_device(nodes: tuple[Any, Any], on_gpu: bool) -> tuple[Any, Any]:
+def _to_device(nodes: tuple[Any, Any], *, on_gpu: bool) -> tuple[Any, Any]:
     """The nodes on the GPU where the graph runs there."""
     return (nodes[0].gpu(), nodes[1].gpu()) if on_gpu else nodes
 
@@ -111,8 +111,8 @@ class BatcherCrops:
         inputs, targets, _ = self.batcher.get(epoch, index).contiguous()
         return {"inputs": inputs, "targets": targets}
 
-    def cut(self, nodes: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
-        return _to_device((nodes["inputs"], nodes["targets"]), on_gpu)
+    def cut(self, nodes: dict[str, Any], crop_size: int, *, on_gpu: bool) -> tuple[Any, Any]:
+        return _to_device((nodes["inputs"], nodes["targets"]), on_gpu=on_gpu)
 
     def close(self) -> None:
         self.batcher.close()
@@ -132,7 +132,7 @@ class HostCrops:
         # The same array for every sample: DALI takes the list as it is, with no copy.
         return {"nbody": [self.nbody] * len(draws), "hydro": [self.hydro] * len(draws)}
 
-    def cut(self, nodes: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+    def cut(self, nodes: dict[str, Any], crop_size: int, *, on_gpu: bool) -> tuple[Any, Any]:
         shape = np.full(3, crop_size, np.int32)
         inputs = fn.slice(
             nodes["nbody"], nodes["corners"], shape, axes=_SPATIAL, normalized_anchor=False, normalized_shape=False
@@ -140,7 +140,7 @@ class HostCrops:
         targets = fn.slice(
             nodes["hydro"], nodes["corners"], shape, axes=_SPATIAL, normalized_anchor=False, normalized_shape=False
         )
-        return _to_device((inputs, targets), on_gpu)
+        return _to_device((inputs, targets), on_gpu=on_gpu)
 
     def close(self) -> None:
         pass
@@ -160,6 +160,7 @@ class ResidentCrops:
         nbody: torch.Tensor,
         hydro: torch.Tensor,
         augmenter: Augmenter,
+        *,
         crop_size: int,
         dtype: torch.dtype,
         channels_last: bool,
@@ -189,13 +190,13 @@ class ResidentCrops:
 
     def _batch(self, draws: list[Any]) -> tuple[Any, Any]:
         args = torch.stack([torch.from_dlpack(d) for d in draws])
-        batch = self.cutter(self.volumes, args, self.dtypes, self.channels_last)
+        batch = self.cutter(self.volumes, args, self.dtypes, channels_last=self.channels_last)
         if self.channels_last:  # the NDHWC memory the cutter wrote, which DALI takes as DHWC samples
             batch = [t.permute(0, 2, 3, 4, 1) for t in batch]
         # Per output, one DLPack per sample: views of the batch, which DALI copies into its own buffer.
         return tuple([to_dlpack(sample) for sample in t] for t in batch)
 
-    def cut(self, nodes: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+    def cut(self, nodes: dict[str, Any], crop_size: int, *, on_gpu: bool) -> tuple[Any, Any]:
         if on_gpu != self.on_gpu:
             raise ValueError("resident volumes must be on the device the graph runs on")
         layout = "DHWC" if self.channels_last else "CDHW"
@@ -230,7 +231,7 @@ class NumpyCrops:
     def feed(self, epoch: int, index: int, draws: list[SampleDraw]) -> dict[str, Any]:
         return {}
 
-    def cut(self, nodes: dict[str, Any], crop_size: int, on_gpu: bool) -> tuple[Any, Any]:
+    def cut(self, nodes: dict[str, Any], crop_size: int, *, on_gpu: bool) -> tuple[Any, Any]:
         out = []
         for path, dtype in zip(self.paths, self.dtypes):  # noqa: B905 (DALI's autograph knows no strict=)
             crop = fn.readers.numpy(  # on the CPU: see the module's docstring for the GPU reader
@@ -254,7 +255,7 @@ class NumpyCrops:
         pass
 
 
-def _position(info: Any, first_epoch: int, first_batch: int, num_batches: int) -> tuple[int, int]:
+def _position(info: Any, first_epoch: int, first_batch: int, *, num_batches: int) -> tuple[int, int]:
     """(epoch, batch) for DALI's (epoch_idx, iteration); the first epoch starts at ``first_batch``."""
     batch = info.iteration + (first_batch if info.epoch_idx == 0 else 0)
     if batch >= num_batches:
@@ -272,6 +273,7 @@ class _Feed:
         plan: DrawPlan,
         augmenter: Augmenter,
         crops: CropSource,
+        *,
         first_epoch: int,
         first_batch: int,
         rotate_here: bool,
@@ -285,7 +287,7 @@ class _Feed:
             self.outputs.update(dict.fromkeys(ROTATION_ARGUMENTS, ""))
 
     def __call__(self, info: Any) -> list[Any]:  # info: nvidia.dali.types.BatchInfo
-        epoch, index = _position(info, self.first_epoch, self.first_batch, self.plan.num_batches)
+        epoch, index = _position(info, self.first_epoch, self.first_batch, num_batches=self.plan.num_batches)
         draws = self.plan.batch_draws(epoch, index)
         if self.crops.padded:  # a short last batch, filled up to the reader's batch size with its last sample
             draws = draws + draws[-1:] * (self.plan.batch_size - len(draws))
@@ -310,7 +312,7 @@ def _gather_channels(x, order: tuple[int, ...]):
     return fn.cat(*(x[start:stop] for start, stop in runs), axis=0)
 
 
-def rotate(x, perm_index, flips, sign, num_channels: int, vectors: VectorGroups):
+def rotate(x, perm_index, flips, *, sign, num_channels: int, vectors: VectorGroups):
     """Rotate a CDHW DataNode as ``pipeline.rotations.rotate_into`` does, exactly.
 
     ``fn.transpose`` takes no per-sample permutation, so each of the six axis orders is a branch
@@ -341,14 +343,23 @@ def _source(feed: _Feed) -> dict[str, Any]:
     return dict(zip(feed.outputs, nodes))  # noqa: B905 (DALI's autograph knows no strict=)
 
 
-def _rotated(inputs, targets, nodes: dict[str, Any], augmenter: Augmenter, on_gpu: bool):
+def _rotated(inputs, targets, nodes: dict[str, Any], *, augmenter: Augmenter, on_gpu: bool):
     """Inputs and targets turned by each sample's rotation, vector channels with them."""
     input_signs, target_signs = nodes["input_signs"], nodes["target_signs"]
     if on_gpu:
         input_signs, target_signs = input_signs.gpu(), target_signs.gpu()
     perm_index, flips = nodes["perm_index"], nodes["flips"]
-    inputs = rotate(inputs, perm_index, flips, input_signs, augmenter.in_channels, augmenter.in_vectors)
-    targets = rotate(targets, perm_index, flips, target_signs, augmenter.out_channels, augmenter.out_vectors)
+    inputs = rotate(
+        inputs, perm_index, flips, sign=input_signs, num_channels=augmenter.in_channels, vectors=augmenter.in_vectors
+    )
+    targets = rotate(
+        targets,
+        perm_index,
+        flips,
+        sign=target_signs,
+        num_channels=augmenter.out_channels,
+        vectors=augmenter.out_vectors,
+    )
     return inputs, targets
 
 
@@ -358,15 +369,15 @@ def _channels_last(x):
 
 
 @pipeline_def(enable_conditionals=True)
-def _graph(feed: _Feed, crop_size: int, on_gpu: bool, dtype, channels_last: bool):
+def _graph(feed: _Feed, crop_size: int, *, on_gpu: bool, dtype, channels_last: bool):
     """Source, cut, rotate, layout, cast: the training batch's ``OUTPUTS``."""
     crops = feed.crops
     nodes = _source(feed)  # source
-    inputs, targets = crops.cut(nodes, crop_size, on_gpu)  # cut
+    inputs, targets = crops.cut(nodes, crop_size, on_gpu=on_gpu)  # cut
     if crops.finished:  # the crops' own function made the training batch (ResidentCrops)
         return inputs, targets
     if feed.rotate_here:  # rotate
-        inputs, targets = _rotated(inputs, targets, nodes, feed.augmenter, on_gpu)
+        inputs, targets = _rotated(inputs, targets, nodes, augmenter=feed.augmenter, on_gpu=on_gpu)
     if channels_last and not crops.channels_last:  # layout
         inputs, targets = _channels_last(inputs), _channels_last(targets)
     if dtype != types.FLOAT:  # cast
@@ -399,7 +410,14 @@ class DaliLoader:
     ) -> None:
         self.plan, self.crops, self.dtype, self.channels_last = plan, crops, dtype, channels_last
         self._first_batch = first_batch
-        feed = _Feed(plan, augmenter, crops, first_epoch, first_batch, rotate_here=plan.rotate and not crops.rotated)
+        feed = _Feed(
+            plan,
+            augmenter,
+            crops,
+            first_epoch=first_epoch,
+            first_batch=first_batch,
+            rotate_here=plan.rotate and not crops.rotated,
+        )
         pipe = _graph(
             feed=feed,
             crop_size=plan.crop_size,

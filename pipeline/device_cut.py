@@ -38,7 +38,7 @@ class DeviceCutter:
             self._channel_tables(augmenter.out_channels, augmenter.out_vectors),
         ]
 
-    def _take(self, volume: torch.Tensor, order: torch.Tensor, spatial: torch.Tensor, channels_last: bool) -> Any:
+    def _take(self, volume: torch.Tensor, order: torch.Tensor, spatial: torch.Tensor, *, channels_last: bool) -> Any:
         """Every output voxel of ``volume`` (C, L, L, L), or of a batch (B, C, S, S, S) sample by sample, in the
         (B, C) channel ``order`` at the (B, S^3) ``spatial`` offsets: (B, C, S^3), or (B, S^3, C) for channels-last.
         The gathers read their expanded indices as they are, without writing them out."""
@@ -57,7 +57,7 @@ class DeviceCutter:
         return torch.tensor(order, device=self.device), torch.from_numpy(sign).to(self.device)
 
     @staticmethod
-    def host_arguments(draws: list[SampleDraw], cut_already: bool) -> torch.Tensor:
+    def host_arguments(draws: list[SampleDraw], *, cut_already: bool) -> torch.Tensor:
         """(B, 4) int64 in host memory: rotation and corner of each sample.
 
         Crops are cut at each draw's corner from resident volumes, or were cut by the batcher
@@ -69,9 +69,9 @@ class DeviceCutter:
             host[:, 1:] = torch.tensor([d.corner for d in draws])
         return host
 
-    def arguments(self, draws: list[SampleDraw], cut_already: bool) -> torch.Tensor:
+    def arguments(self, draws: list[SampleDraw], *, cut_already: bool) -> torch.Tensor:
         """``host_arguments`` on the device, in one small non-blocking copy."""
-        host = self.host_arguments(draws, cut_already)
+        host = self.host_arguments(draws, cut_already=cut_already)
         if self.device.type == "cuda":
             return host.pin_memory().to(self.device, non_blocking=True)
         return host
@@ -81,6 +81,7 @@ class DeviceCutter:
         sources: tuple[torch.Tensor, torch.Tensor],
         args: torch.Tensor,
         dtypes: tuple[torch.dtype, ...],
+        *,
         channels_last: bool,
     ) -> list[torch.Tensor]:
         """The (inputs, targets) of the batch from ``sources``: volumes (C, L, L, L) or batches (B, C, S, S, S)."""
@@ -96,7 +97,7 @@ class DeviceCutter:
         for volume, (order_table, sign_table), dtype in zip(sources, self.tables, dtypes, strict=True):
             channels = volume.shape[-4]
             order, sign = order_table[rotation], sign_table[rotation]  # (B, C)
-            taken = self._take(volume, order, spatial, channels_last)
+            taken = self._take(volume, order, spatial, channels_last=channels_last)
             if channels_last:
                 result = torch.empty((batch, size, size, size, channels), dtype=dtype, device=volume.device)
                 torch.mul(taken.view(result.shape), sign[:, None, None, None, :], out=result)

@@ -33,7 +33,7 @@ _DENSITY_FLOOR = 1e-3  # cells no particle reaches (deep voids) get this density
 
 
 @functools.cache
-def _cosmology(omega_m: float, omega_b: float, h: float, n_s: float, sigma8: float):
+def _cosmology(omega_m: float, omega_b: float, h: float, *, n_s: float, sigma8: float):
     from colossus.cosmology import cosmology  # imported here: only the lcdm universe needs it
 
     params = {"flat": True, "H0": 100 * h, "Om0": omega_m, "Ob0": omega_b, "sigma8": sigma8, "ns": n_s}
@@ -42,7 +42,7 @@ def _cosmology(omega_m: float, omega_b: float, h: float, n_s: float, sigma8: flo
 
 def linear_power(k_h_mpc: np.ndarray, spec) -> np.ndarray:
     """Linear P(k) in (Mpc/h)^3 at the spec's redshift, for k in h/Mpc (0 where k is 0)."""
-    cosmo = _cosmology(spec.omega_m, spec.omega_b, spec.h, spec.n_s, spec.sigma8)
+    cosmo = _cosmology(spec.omega_m, spec.omega_b, spec.h, n_s=spec.n_s, sigma8=spec.sigma8)
     k = np.asarray(k_h_mpc, dtype=np.float64)
     out = np.zeros_like(k)
     positive = k > 0

@@ -42,7 +42,7 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / _GIB:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoaderSettings:
     backend: Backend
     storage: Storage
@@ -84,7 +84,7 @@ def batches_held(backend: Backend) -> int:
 
 
 def batch_buffer_bytes(
-    settings: LoaderSettings, batch: int, crop: int, channels: int, data_format: str = "hdf5"
+    settings: LoaderSettings, batch: int, crop: int, *, channels: int, data_format: str = "hdf5"
 ) -> int:
     """Host memory of one rank's batch buffers, for the training and the validation loader (``channels``: input
     plus target): the batchers' rings, or DALI's own buffers (its prefetched batches, about one batch per stage of
@@ -110,7 +110,7 @@ def _available_host_bytes() -> int | None:
     return None
 
 
-def check_memory(volumes: list[VolumePair], settings: LoaderSettings, local_ranks: int, buffer_bytes: int) -> None:
+def check_memory(volumes: list[VolumePair], settings: LoaderSettings, local_ranks: int, *, buffer_bytes: int) -> None:
     """Log what the storage mode needs, and refuse before loading anything when it cannot fit.
 
     Host memory per rank: the volumes under ``host``, and the batchers' rings (``buffer_bytes``, from
@@ -175,6 +175,7 @@ def build_loader(
     volumes: VolumePair,
     plan: DrawPlan,
     augmenter: Augmenter,
+    *,
     settings: LoaderSettings,
     device: torch.device,
     dtype: torch.dtype,
@@ -206,7 +207,15 @@ def build_loader(
         allocate = {"allocate": pinned_buffer} if on_gpu and settings.backend == "torch" else {}
         hold = batches_held(settings.backend)
         batcher = CropBatcher(
-            source, plan, augmenter, not on_gpu, settings.threads, settings.lookahead, hold, channels_last, **allocate
+            source,
+            plan,
+            augmenter,
+            rotate_here=not on_gpu,
+            threads=settings.threads,
+            lookahead=settings.lookahead,
+            hold=hold,
+            channels_last=channels_last,
+            **allocate,
         )
     if settings.backend == "torch":
         from pipeline.torch_backend import TorchLoader
@@ -218,7 +227,9 @@ def build_loader(
     if batcher is not None:
         crops = dali.BatcherCrops(batcher)
     elif resident is not None:
-        crops = dali.ResidentCrops(*resident, augmenter, plan.crop_size, dtype, settings.channels_last)
+        crops = dali.ResidentCrops(
+            *resident, augmenter, crop_size=plan.crop_size, dtype=dtype, channels_last=settings.channels_last
+        )
     elif storage == "host":
         crops = dali.HostCrops(source, settings.threads)
     else:

@@ -118,7 +118,7 @@ def rotation_args(rot: Rotation, num_channels: int, groups: VectorGroups) -> Rot
 _CHUNK = 16
 
 
-def rotate_into(x: np.ndarray, rot: Rotation, groups: VectorGroups, out: np.ndarray) -> np.ndarray:
+def rotate_into(x: np.ndarray, rot: Rotation, groups: VectorGroups, *, out: np.ndarray) -> np.ndarray:
     """Write ``x`` (C, D, H, W) rotated by ``rot`` into ``out``, in one pass: the reference implementation.
 
     ``x`` may be any strided view (a crop window of a larger volume, a transposed memory map): the
@@ -146,4 +146,4 @@ def rotate_into(x: np.ndarray, rot: Rotation, groups: VectorGroups, out: np.ndar
 
 def rotate_volume(x: np.ndarray, rot: Rotation, groups: VectorGroups) -> np.ndarray:
     """``x`` (C, D, H, W) rotated by ``rot`` into a new array."""
-    return rotate_into(x, rot, groups, np.empty(x.shape, dtype=x.dtype))
+    return rotate_into(x, rot, groups, out=np.empty(x.shape, dtype=x.dtype))

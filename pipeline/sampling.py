@@ -27,24 +27,24 @@ class SampleDraw:
     """Index into ``ROTATIONS``; 0 is the identity."""
 
 
-def _draw(entropy: tuple[int, ...], box_size: int, crop_size: int, rotate: bool) -> SampleDraw:
+def _draw(entropy: tuple[int, ...], box_size: int, crop_size: int, *, rotate: bool) -> SampleDraw:
     rng = np.random.default_rng(entropy)
     corner = tuple(int(c) for c in rng.integers(0, box_size - crop_size + 1, size=3))
     rotation = int(rng.integers(len(ROTATIONS))) if rotate else 0
     return SampleDraw(corner, rotation)  # type: ignore[arg-type]
 
 
-def train_draw(seed: int, epoch: int, index: int, box_size: int, crop_size: int, rotate: bool) -> SampleDraw:
+def train_draw(seed: int, epoch: int, index: int, *, box_size: int, crop_size: int, rotate: bool) -> SampleDraw:
     """Sample ``index`` of ``epoch`` for a rank whose seed is ``seed`` (base seed + global rank)."""
-    return _draw((seed, epoch, index), box_size, crop_size, rotate)
+    return _draw((seed, epoch, index), box_size, crop_size, rotate=rotate)
 
 
-def val_draw(seed: int, index: int, box_size: int, crop_size: int) -> SampleDraw:
+def val_draw(seed: int, index: int, box_size: int, *, crop_size: int) -> SampleDraw:
     """Validation sample ``index`` (global over ranks), never rotated."""
     return _draw((seed, _VALIDATION_STREAM, index), box_size, crop_size, rotate=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DrawPlan:
     """The samples one rank takes in an epoch, batch by batch: a pure function of config, rank and seed.
 
@@ -70,11 +70,14 @@ class DrawPlan:
         start = batch * self.batch_size
         indices = range(start, min(start + self.batch_size, self.num_samples))
         if self.validation:
-            return [val_draw(self.seed, self.first_index + i, self.box_size, self.crop_size) for i in indices]
-        return [train_draw(self.seed, epoch, i, self.box_size, self.crop_size, self.rotate) for i in indices]
+            return [val_draw(self.seed, self.first_index + i, self.box_size, crop_size=self.crop_size) for i in indices]
+        return [
+            train_draw(self.seed, epoch, i, box_size=self.box_size, crop_size=self.crop_size, rotate=self.rotate)
+            for i in indices
+        ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Augmenter:
     """The channel layout of inputs and targets, and the rotation arguments a draw implies for them."""
 
@@ -95,6 +98,11 @@ class Augmenter:
         inputs = np.empty((self.in_channels,) + (crop_size,) * 3, dtype=np.float32)
         targets = np.empty((self.out_channels,) + (crop_size,) * 3, dtype=np.float32)
         volumes.cut(
-            draw.corner, crop_size, ROTATIONS[draw.rotation], (self.in_vectors, self.out_vectors), inputs, targets
+            draw.corner,
+            crop_size,
+            ROTATIONS[draw.rotation],
+            groups=(self.in_vectors, self.out_vectors),
+            inputs=inputs,
+            targets=targets,
         )
         return inputs, targets

@@ -45,7 +45,7 @@ _LCDM_ONLY += ("temperature_scatter_dex", "shock_density", "T_shock", "lpt_order
 _TOY_ONLY = ("k_peak", "k_cut", "sigma_log_density", "gas_smoothing", "shock_heating")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SyntheticSpec:
     """How to generate a train and a validation box. Lengths are in voxels, wavenumbers in radians per voxel."""
 
@@ -206,7 +206,7 @@ def _attributes(spec: SyntheticSpec, box_size: int, seed: int) -> dict[str, str 
     }
 
 
-def write_box(path: Path, spec: SyntheticSpec, box_size: int, seed: int) -> None:
+def write_box(path: Path, spec: SyntheticSpec, box_size: int, *, seed: int) -> None:
     """Generate one box and write it to ``path`` atomically (a reader never sees a partial file)."""
     nbody, hydro = generate_box(spec, box_size, seed)
     with written_atomically(path) as tmp, h5py.File(tmp, "w") as f:
@@ -241,7 +241,7 @@ def ensure_box(path: Path, spec: SyntheticSpec, which: str) -> bool:
                 "delete it or point the config elsewhere"
             )
         return False
-    write_box(path, spec, box_size, seed)
+    write_box(path, spec, box_size, seed=seed)
     return True
 
 
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     for which, (box_size, seed) in boxes(spec).items():
         start = time.perf_counter()
         path = args.out_dir / f"{which}.h5"
-        write_box(path, spec, box_size, seed)
+        write_box(path, spec, box_size, seed=seed)
         print(f"wrote {path}: {box_size}^3, seed {seed}, {time.perf_counter() - start:.1f} s")
 
 

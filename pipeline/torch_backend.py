@@ -78,10 +78,10 @@ class TorchLoader:
         draws = self.plan.batch_draws(self.epoch, index)
         if self.cut_stream is None:
             args = self.cutter.arguments(draws, cut_already=False)
-            return self.cutter(self.resident, args, (self.dtype, torch.float32), self.channels_last), None
+            return self.cutter(self.resident, args, (self.dtype, torch.float32), channels_last=self.channels_last), None
         with torch.cuda.stream(self.cut_stream):  # the arguments' copy too: ordered with the cut, in its memory
             args = self.cutter.arguments(draws, cut_already=False)
-            batch = self.cutter(self.resident, args, (self.dtype, torch.float32), self.channels_last)
+            batch = self.cutter(self.resident, args, (self.dtype, torch.float32), channels_last=self.channels_last)
             cut = torch.cuda.Event()
             cut.record(self.cut_stream)
         return batch, cut
@@ -115,7 +115,7 @@ class TorchLoader:
         if self.cutter is None:
             return inputs.to(self.dtype), targets
         args = self.cutter.arguments(batch.draws, cut_already=True)
-        return self.cutter((inputs, targets), args, (self.dtype, torch.float32), self.channels_last)
+        return self.cutter((inputs, targets), args, (self.dtype, torch.float32), channels_last=self.channels_last)
 
     def _upload(self, batch: CropBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch on the GPU, copied from the batcher's pinned buffer on the copy stream, with no host sync.

@@ -26,7 +26,7 @@ class DataError(ValueError):
     """Data that cannot be trained on; the message names the file and the problem."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class VolumeFiles:
     """Where one split's volumes are: an HDF5 file, or a pair of .npy files."""
 
@@ -37,11 +37,11 @@ class VolumeFiles:
 
     @classmethod
     def hdf5(cls, path: str | Path) -> VolumeFiles:
-        return cls("hdf5", Path(path), Path(path))
+        return cls(format="hdf5", inputs=Path(path), targets=Path(path))
 
     @classmethod
     def npy(cls, inputs: str | Path, targets: str | Path, layout: NpyLayout) -> VolumeFiles:
-        return cls("npy", Path(inputs), Path(targets), layout)
+        return cls(format="npy", inputs=Path(inputs), targets=Path(targets), npy_layout=layout)
 
 
 def _require_file(path: Path) -> None:
@@ -87,7 +87,7 @@ def target_attributes(files: VolumeFiles) -> dict[str, Any]:
         return dict(f.attrs)
 
 
-def _check(array: Any, path: Path, what: str, channels: int | None, layout: str | None) -> None:
+def _check(array: Any, path: Path, what: str, *, channels: int | None, layout: str | None) -> None:
     """``layout``: the npy_layout the config declared (None for HDF5, always channels first); ``channels``: the
     number expected, or None for any."""
     if array.ndim != 4 or len(set(array.shape[1:])) != 1:
@@ -123,7 +123,9 @@ class VolumePair:
         return 4 * (int(np.prod(self.nbody.shape)) + int(np.prod(self.hydro.shape)))
 
     @classmethod
-    def open(cls, files: VolumeFiles, in_channels: int | None, out_channels: int | None, crop_size: int) -> VolumePair:
+    def open(
+        cls, files: VolumeFiles, in_channels: int | None, out_channels: int | None, *, crop_size: int
+    ) -> VolumePair:
         if files.format == "hdf5":
             nbody, hydro = open_hdf5(files.inputs, NBODY_DATASET), open_hdf5(files.targets, HYDRO_DATASET)
             names = (f"dataset '{NBODY_DATASET}'", f"dataset '{HYDRO_DATASET}'")
@@ -132,15 +134,15 @@ class VolumePair:
             nbody, hydro = open_npy(files.inputs, files.npy_layout), open_npy(files.targets, files.npy_layout)
             names = ("the input array", "the target array")
             layout = files.npy_layout
-        _check(nbody, files.inputs, names[0], in_channels, layout)
-        _check(hydro, files.targets, names[1], out_channels, layout)
+        _check(nbody, files.inputs, names[0], channels=in_channels, layout=layout)
+        _check(hydro, files.targets, names[1], channels=out_channels, layout=layout)
         if nbody.shape[1:] != hydro.shape[1:]:
             raise DataError(
                 f"{files.inputs}: inputs {tuple(nbody.shape)} and targets {tuple(hydro.shape)} cover different boxes"
             )
         if crop_size > nbody.shape[1]:
             raise DataError(f"{files.inputs}: crop size {crop_size} is larger than the box ({nbody.shape[1]}^3)")
-        return cls(files, nbody, hydro)
+        return cls(files=files, nbody=nbody, hydro=hydro)
 
     def check_finite(self, crop_size: int, samples: int = 8, seed: int = 0) -> None:
         """DataError if the volumes hold NaN or Inf: all of them up to 1 GiB, else ``samples`` random crops."""
@@ -167,7 +169,7 @@ class VolumePair:
         """The same volumes read into memory as contiguous float32 CDHW arrays."""
         return VolumePair(self.files, _to_memory(self.nbody), _to_memory(self.hydro))
 
-    def read_crop(self, corner: tuple[int, int, int], size: int, inputs: np.ndarray, targets: np.ndarray) -> None:
+    def read_crop(self, corner: tuple[int, int, int], size: int, inputs: np.ndarray, *, targets: np.ndarray) -> None:
         """Copy the crop of ``size``^3 at ``corner`` into ``inputs`` and ``targets`` as it is."""
         window = _window(corner, size)
         for volume, out in ((self.nbody, inputs), (self.hydro, targets)):
@@ -181,6 +183,7 @@ class VolumePair:
         corner: tuple[int, int, int],
         size: int,
         rot: Rotation,
+        *,
         groups: tuple[VectorGroups, VectorGroups],
         inputs: np.ndarray,
         targets: np.ndarray,
@@ -189,7 +192,7 @@ class VolumePair:
         window = _window(corner, size)
         for volume, vectors, out in ((self.nbody, groups[0], inputs), (self.hydro, groups[1], targets)):
             crop = volume[window]  # a view of an in-memory array; a read for h5py datasets
-            rotate_into(crop, rot, vectors, out)
+            rotate_into(crop, rot, vectors, out=out)
 
 
 def _window(corner: tuple[int, int, int], size: int) -> tuple[slice, ...]:

@@ -68,7 +68,7 @@ def tiny_data(tmp_path_factory) -> dict[str, Path]:
     paths = {}
     for which, (size, seed) in boxes(TINY_SPEC).items():
         paths[which] = root / f"{which}.h5"
-        write_box(paths[which], TINY_SPEC, size, seed)
+        write_box(paths[which], TINY_SPEC, size, seed=seed)
     return paths
 
 

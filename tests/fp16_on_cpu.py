@@ -21,7 +21,7 @@ TORCH_ADAM = {"optimizer": {"params": {"torch_adam": True}}}
 
 def gpu_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, device_type: str = "cuda") -> dict[str, Any]:
     """The DeepSpeed config a GPU would get from ``template``, whatever ``device_type`` is asked for."""
-    return resolve_ds_config(merge_settings(TORCH_ADAM, template), plan, lr, "cuda")
+    return resolve_ds_config(merge_settings(TORCH_ADAM, template), plan, lr, device_type="cuda")
 
 
 def allow_fp16_on_cpu() -> None:

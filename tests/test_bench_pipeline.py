@@ -21,7 +21,7 @@ QUICK = ["--batch", "4", "--threads", "1", "--warmup", "1", "--batches", "2"]
 def test_baseline_produces_the_reference_samples(tiny_data):
     plan = DrawPlan(seed=0, num_samples=48, batch_size=8, box_size=32, crop_size=8, rotate=True)
     dataset = ReferenceStyleCrops(tiny_data["train"], plan)
-    volumes = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, 8)
+    volumes = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, crop_size=8)
     for i in range(len(dataset)):
         inputs, targets = dataset[i]
         ref_inp, ref_tar = AUG.reference(volumes, plan.batch_draws(0, i // 8)[i % 8], 8)
@@ -112,7 +112,7 @@ def test_a_run_with_its_own_results_file_leaves_the_docs_alone(tiny_data, tmp_pa
 
 
 def test_the_limit_copies_the_same_crops_unrotated(tiny_data):
-    volumes = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, 8).load()
+    volumes = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, crop_size=8).load()
     plan = DrawPlan(seed=0, num_samples=10, batch_size=4, box_size=32, crop_size=8, rotate=True)
     limit = PlainCopies(volumes, plan, threads=2, device=torch.device("cpu"))
     batches = [(inputs.clone(), targets.clone()) for inputs, targets in limit]

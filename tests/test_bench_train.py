@@ -12,13 +12,14 @@ from bench.flops import model_flops, peak_flops, utilization
 from bench.report import engine_overhead, newest_runs, scaling
 from bench.report import main as report_main
 from bench.sweep import PRESETS, check_cases, write_synthetic_data
-from bench.train import Marks, percentiles, timed
+from bench.train import percentiles, timed
 from model.unet import UNetSpec, level_channels
 from pipeline.synthetic import SyntheticSpec
 from tests.conftest import REPO, TINY_ARGS, single_process_env
 from trainer.config import Config
 from trainer.engine import plan_batches
 from trainer.lr_schedule import peak_lr
+from trainer.step import phase
 
 
 def analytic_unet_flops(cin: int, cout: int, width: int, depth: int, crop: int) -> tuple[float, float]:
@@ -41,7 +42,7 @@ def analytic_unet_flops(cin: int, cout: int, width: int, depth: int, crop: int) 
 
 @pytest.mark.parametrize("width, depth, crop", [(4, 3, 16), (8, 4, 32), (64, 6, 64)])
 def test_flops_match_an_independent_count(width, depth, crop):
-    counted = model_flops(UNetSpec(4, 5, width, depth), crop)
+    counted = model_flops(UNetSpec(in_channels=4, out_channels=5, width=width, depth=depth), crop)
     forward, training = analytic_unet_flops(4, 5, width, depth, crop)
     assert counted["forward_flops_per_sample"] == forward
     assert counted["train_flops_per_sample"] == training
@@ -51,12 +52,12 @@ def test_flops_match_an_independent_count(width, depth, crop):
 
 def test_utilization_counts_every_device():
     flops = {"train_flops_per_sample": 80e9}
-    one = utilization(1000.0, flops, "NVIDIA H200", "fp16")
-    eight = utilization(8000.0, flops, "NVIDIA H200", "fp16", devices=8)
+    one = utilization(1000.0, flops, "NVIDIA H200", precision="fp16")
+    eight = utilization(8000.0, flops, "NVIDIA H200", precision="fp16", devices=8)
     assert one["achieved_tflops"] == pytest.approx(80.0) and one["mfu"] == pytest.approx(80e12 / 989.4e12)
     assert eight["mfu"] == pytest.approx(one["mfu"])
     assert "datasheet" in one["peak_source"]
-    unknown = utilization(1.0, flops, "Some GPU", "fp16")
+    unknown = utilization(1.0, flops, "Some GPU", precision="fp16")
     assert unknown["mfu"] is None and "add it to bench/flops.py" in unknown["peak_source"]
     peak, source = peak_flops("cpu", "fp32")
     assert (peak is None) == ("unknown" in source)
@@ -71,18 +72,17 @@ def test_percentiles_interpolate_linearly():
 def test_warmup_steps_are_run_but_not_timed():
     calls = []
 
-    def step(marks: Marks) -> float:
-        calls.append(bool(marks.steps))  # warm-up steps get marks that record nothing
-        if marks.steps:
-            marks.mark("start")
-            marks.mark("forward")
+    def step() -> float:  # one phase per step, as the training step has its own
+        calls.append(1)
+        with phase("forward"):
+            pass
         return 0.25
 
     result = timed(step, warmup=2, steps=3, cuda=False)
-    assert calls == [False, False, True, True, True]
+    assert len(calls) == 5
     marks = result["marks"]
     assert len(marks.step_ms()) == 3 and all(ms >= 0 for ms in marks.step_ms())
-    assert len(marks.phase_ms("start", "forward")) == 3
+    assert len(marks.phase_ms("forward")) == 3  # the warm-up's phases are not on the clock
     assert result["data_wait_pct"] == pytest.approx(100 * 0.75 / result["wall_s"])
 
 
@@ -173,7 +173,10 @@ def test_a_benchmark_run_writes_complete_records(tmp_path):
         assert REQUIRED <= set(r), REQUIRED - set(r)
         assert r["samples_per_s"] > 0 and r["step_ms_p50"] <= r["step_ms_p90"] <= r["step_ms_p99"]
         assert (r["world_size"], r["micro_batch"], r["global_batch"], r["timed_steps"], r["rounds"]) == (1, 8, 8, 3, 2)
-        assert r["train_flops_per_sample"] == model_flops(UNetSpec(4, 5, 4, 4), 16)["train_flops_per_sample"]
+        assert (
+            r["train_flops_per_sample"]
+            == model_flops(UNetSpec(in_channels=4, out_channels=5, width=4, depth=4), 16)["train_flops_per_sample"]
+        )
         assert (r["optimizer"], r["zero_stage"]) == ("Adam", 0)  # torch's Adam on a CPU, under DeepSpeed
     for r in records[1:]:
         assert {
@@ -291,15 +294,15 @@ def test_every_case_of_a_preset_is_a_valid_run(preset, tmp_path, monkeypatch):
     sweep = argparse.Namespace(steps=10, warmup=3, out=tmp_path / "train.jsonl", train_options=["--backend", "torch"])
     assert cases
     device = "cuda" if preset.startswith("gpu") else "cpu"
-    for case, (args, cfg, ds_config) in zip(cases, check_cases(base, cases, sweep, device), strict=True):
+    for case, (args, cfg, ds_config) in zip(cases, check_cases(base, cases, sweep, device_type=device), strict=True):
         assert (args.modes, args.case, args.out, cfg.backend) == (case.modes, case.label, sweep.out, "torch")
         plan = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, case.ranks)
         assert ds_config["train_batch_size"] == plan.global_batch
         sched = cfg.lr_schedule  # the run's own peak learning rate, scaled to its global batch
-        peak = peak_lr(sched.start_lr, sched.scaling, cfg.global_batch_size, cfg.base_batch_size)
+        peak = peak_lr(sched.start_lr, sched.scaling, cfg.global_batch_size, base_batch=cfg.base_batch_size)
         assert ds_config["optimizer"]["params"]["lr"] == pytest.approx(peak)
     if preset == "gpu-comm":  # ZeRO 2's settings really differ from the JSON's own
-        checked = zip(cases, check_cases(base, cases, sweep, device), strict=True)
+        checked = zip(cases, check_cases(base, cases, sweep, device_type=device), strict=True)
         settings = {
             c.label.split(", ")[-1]: ds["zero_optimization"] for c, (_, _, ds) in checked if c.sweep == "zero2-settings"
         }
@@ -323,7 +326,9 @@ def test_a_time_limited_gpu_speed_sweep_measures_the_plain_paths_first_on_data_w
     ]
     assert cases[0].modes == ["synthetic", "full", "plain"]
     cfg = Config(
-        synthetic=SyntheticSpec(16, 16, 0), train_path=str(tmp_path / "train.h5"), val_path=str(tmp_path / "val.h5")
+        synthetic=SyntheticSpec(train_box_size=16, val_box_size=16, seed=0),
+        train_path=str(tmp_path / "train.h5"),
+        val_path=str(tmp_path / "val.h5"),
     )
     write_synthetic_data([cfg, cfg])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.h5", "val.h5"]
@@ -345,7 +350,7 @@ def test_a_bad_case_stops_the_sweep_before_it_starts(preset, options, message, t
     options = ["--backend", "torch", *options]
     sweep = argparse.Namespace(steps=10, warmup=3, out=tmp_path / "train.jsonl", train_options=options)
     with pytest.raises(SystemExit, match=message):
-        check_cases(base, cases, sweep, "cuda")
+        check_cases(base, cases, sweep, device_type="cuda")
 
 
 def test_the_users_deepspeed_overrides_merge_with_a_cases_own(tmp_path, monkeypatch):
@@ -353,7 +358,7 @@ def test_the_users_deepspeed_overrides_merge_with_a_cases_own(tmp_path, monkeypa
     base, cases = PRESETS["gpu-comm"](8)
     options = ["--backend", "torch", "--deepspeed_overrides", "{optimizer: {params: {torch_adam: true}}}"]
     sweep = argparse.Namespace(steps=10, warmup=3, out=tmp_path / "train.jsonl", train_options=options)
-    checked = dict(zip((c.label for c in cases), check_cases(base, cases, sweep, "cuda"), strict=True))
+    checked = dict(zip((c.label for c in cases), check_cases(base, cases, sweep, device_type="cuda"), strict=True))
     _, cfg, ds_config = checked["8 rank(s), micro 64, ZeRO 2, bucket 5e8"]
     assert cfg.deepspeed_overrides["zero_optimization"]["reduce_bucket_size"] == 500_000_000  # the case's own
     assert ds_config["zero_optimization"]["reduce_bucket_size"] == 500_000_000

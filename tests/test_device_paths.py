@@ -19,7 +19,7 @@ from pipeline.volumes import VolumeFiles, VolumePair
 from tests.conftest import EveryRotation
 
 CROP = 8
-AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
+AUG = Augmenter(in_channels=4, out_channels=5, in_vectors=[[1, 2, 3]], out_vectors=[[1, 2, 3]])
 HAVE_DALI = dali_installed()
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BACKENDS = ["torch"] + (["dali"] if HAVE_DALI else [])
@@ -32,7 +32,7 @@ PLAN = EveryRotation(
 
 @pytest.fixture(scope="module")
 def volumes(tiny_data):
-    return VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP).load()
+    return VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, crop_size=CROP).load()
 
 
 def _loader(backend, device, volumes, source, storage_dtype, dtype, aug=AUG, plan=PLAN):
@@ -48,7 +48,7 @@ def _loader(backend, device, volumes, source, storage_dtype, dtype, aug=AUG, pla
         if source == "batcher":
             crops = BatcherCrops(batcher)
         else:
-            crops = ResidentCrops(*resident, aug, plan.crop_size, dtype, channels_last=False)
+            crops = ResidentCrops(*resident, aug, crop_size=plan.crop_size, dtype=dtype, channels_last=False)
         return DaliLoader(crops=crops, device_id=device.index if device.type == "cuda" else None, **common)
     from pipeline.torch_backend import TorchLoader
 
@@ -84,7 +84,7 @@ def test_device_rotation_equals_reference_for_all_24(volumes, device_type, backe
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_general_vector_layouts(volumes, backend):
     # Five input channels (the fifth scalar) and targets whose vector components are stored out of order.
-    aug = Augmenter(5, 5, [[1, 2, 3]], [[3, 1, 2]])
+    aug = Augmenter(in_channels=5, out_channels=5, in_vectors=[[1, 2, 3]], out_vectors=[[3, 1, 2]])
     vols = VolumePair(volumes.files, np.concatenate([volumes.nbody, volumes.hydro[4:]]), volumes.hydro)
     plan = EveryRotation(seed=0, num_samples=24, batch_size=24, box_size=32, crop_size=CROP, rotate=True)
     device = torch.device(DEVICES[-1], 0) if DEVICES[-1] == "cuda" else torch.device("cpu")
@@ -100,9 +100,9 @@ def test_general_vector_layouts(volumes, backend):
 @pytest.mark.parametrize("storage", ["lazy", "host", "device"])
 def test_gpu_storage_modes_give_the_same_samples(volumes, tiny_data, backend, storage):
     plan = DrawPlan(seed=0, num_samples=20, batch_size=8, box_size=32, crop_size=CROP, rotate=True)
-    opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP)
-    settings = LoaderSettings(backend, storage, "float32", threads=2, lookahead=2)
-    loader = build_loader(opened, plan, AUG, settings, torch.device("cuda", 0), torch.float32)
+    opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, crop_size=CROP)
+    settings = LoaderSettings(backend=backend, storage=storage, device_storage_dtype="float32", threads=2, lookahead=2)
+    loader = build_loader(opened, plan, AUG, settings=settings, device=torch.device("cuda", 0), dtype=torch.float32)
     for b, (inputs, targets) in enumerate(loader):
         assert inputs.device.type == "cuda"
         for j, draw in enumerate(plan.batch_draws(0, b)):
@@ -117,9 +117,13 @@ def test_gpu_storage_modes_give_the_same_samples(volumes, tiny_data, backend, st
 def test_gpu_batches_of_the_torch_backend_need_no_host_sync(tiny_data, storage):
     """Pinned staging and the batched gather: a batch is queued on the GPU without waiting for it."""
     plan = DrawPlan(seed=0, num_samples=24, batch_size=8, box_size=32, crop_size=CROP, rotate=True)
-    opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP)
-    settings = LoaderSettings("torch", storage, "float32", threads=2, lookahead=2, channels_last=True)
-    batches = iter(build_loader(opened, plan, AUG, settings, torch.device("cuda", 0), torch.float16))
+    opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, crop_size=CROP)
+    settings = LoaderSettings(
+        backend="torch", storage=storage, device_storage_dtype="float32", threads=2, lookahead=2, channels_last=True
+    )
+    batches = iter(
+        build_loader(opened, plan, AUG, settings=settings, device=torch.device("cuda", 0), dtype=torch.float16)
+    )
     next(batches)  # the first batch sets things up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -137,9 +141,9 @@ def test_batches_held_on_the_gpu_keep_their_samples(volumes, tiny_data, storage)
     held back on the GPU (a sleep queued first on the copy stream), each buffer is cut into again only after
     its copy, so 10 batches kept on the GPU without a host sync still hold their own samples."""
     plan = DrawPlan(seed=0, num_samples=80, batch_size=8, box_size=32, crop_size=CROP, rotate=True)
-    opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP)
-    settings = LoaderSettings("torch", storage, "float32", threads=2, lookahead=2)
-    loader = build_loader(opened, plan, AUG, settings, torch.device("cuda", 0), torch.float32)
+    opened = VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, crop_size=CROP)
+    settings = LoaderSettings(backend="torch", storage=storage, device_storage_dtype="float32", threads=2, lookahead=2)
+    loader = build_loader(opened, plan, AUG, settings=settings, device=torch.device("cuda", 0), dtype=torch.float32)
     with torch.cuda.stream(loader.copy_stream):
         torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the first copy
     held = list(loader)
@@ -191,7 +195,9 @@ def test_dali_cuts_crops_without_copying_the_volume(device_type, storage):
         if storage == "host":
             crops = HostCrops(volumes, threads=2)
         else:
-            crops = ResidentCrops(*to_device(volumes, device, "float32"), AUG, CROP, torch.float32, channels_last=False)
+            crops = ResidentCrops(
+                *to_device(volumes, device, "float32"), AUG, crop_size=CROP, dtype=torch.float32, channels_last=False
+            )
         loader = DaliLoader(plan=plan, augmenter=AUG, crops=crops, device_id=device.index, dtype=torch.float32)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -246,7 +252,7 @@ def test_the_cutter_gives_the_reference_from_volumes_and_from_crops(volumes, cha
         ]
         sources = tuple(torch.from_numpy(np.stack(c)) for c in crops)
     args = cutter.arguments(draws, cut_already=source == "crops")
-    inputs, targets = cutter(sources, args, (torch.float16, torch.float32), channels_last)
+    inputs, targets = cutter(sources, args, (torch.float16, torch.float32), channels_last=channels_last)
     assert inputs.dtype == torch.float16 and inputs.is_contiguous(memory_format=torch.channels_last_3d) == channels_last
     for j, draw in enumerate(draws):
         ref_inp, ref_tar = AUG.reference(volumes, draw, CROP)

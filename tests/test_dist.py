@@ -124,7 +124,7 @@ GPU_PER_TASK = {"SLURM_GPUS_PER_TASK": "1", "SLURM_PROCID": "3", "CUDA_VISIBLE_D
     ],
 )
 def test_each_rank_gets_its_own_gpu(local_rank, local_world_size, visible, env, index):
-    assert gpu_index(local_rank, local_world_size, visible, env, srun_tasks=env is GPU_PER_TASK) == index
+    assert gpu_index(local_rank, local_world_size, visible, environ=env, srun_tasks=env is GPU_PER_TASK) == index
 
 
 @pytest.mark.parametrize("env", [{}, {"CUDA_VISIBLE_DEVICES": "0,1"}])  # deepspeed --num_gpus 4 on a node with 2 GPUs
@@ -132,9 +132,9 @@ def test_ranks_that_would_share_a_gpu_are_an_error(env):
     with pytest.raises(
         DistError, match="4 ranks on this node but 2 GPU\\(s\\) visible to each.*: run one rank per GPU"
     ):
-        gpu_index(3, 4, 2, env, srun_tasks=False)
+        gpu_index(3, 4, 2, environ=env, srun_tasks=False)
     with pytest.raises(DistError, match="2 ranks on this node but 1 GPU\\(s\\) visible to each"):
-        gpu_index(1, 2, 1, env, srun_tasks=False)
+        gpu_index(1, 2, 1, environ=env, srun_tasks=False)
 
 
 def test_one_visible_gpu_exported_to_every_rank_is_not_a_gpu_per_task():
@@ -144,13 +144,13 @@ def test_one_visible_gpu_exported_to_every_rank_is_not_a_gpu_per_task():
         match="2 ranks on this node but 1 GPU\\(s\\) visible to each "
         "\\(CUDA_VISIBLE_DEVICES=0 for every rank\\).*--gpus-per-task 1",
     ):
-        gpu_index(1, 2, 1, {"CUDA_VISIBLE_DEVICES": "0", "LOCAL_RANK": "1"}, srun_tasks=False)
+        gpu_index(1, 2, 1, environ={"CUDA_VISIBLE_DEVICES": "0", "LOCAL_RANK": "1"}, srun_tasks=False)
     # Inside an srun step without --gpus-per-task, the tasks of a node share what they see.
     with pytest.raises(DistError, match="visible to each"):
-        gpu_index(1, 2, 1, {"CUDA_VISIBLE_DEVICES": "0", "SLURM_PROCID": "1"}, srun_tasks=True)
+        gpu_index(1, 2, 1, environ={"CUDA_VISIBLE_DEVICES": "0", "SLURM_PROCID": "1"}, srun_tasks=True)
     # A torchrun inside a task of a --gpus-per-task job inherits its variables: its ranks still share the GPU.
     with pytest.raises(DistError, match="visible to each"):
-        gpu_index(1, 2, 1, GPU_PER_TASK, srun_tasks=False)
+        gpu_index(1, 2, 1, environ=GPU_PER_TASK, srun_tasks=False)
 
 
 # --- launch faults, provoked for real: one line each, within dist_timeout_s -------------------------------------

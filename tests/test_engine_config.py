@@ -46,7 +46,7 @@ def probe(monkeypatch):
 @pytest.mark.parametrize("name", ["ds_fp16.json", "ds_bf16.json", "ds_fp32.json"])
 def test_shipped_configs_keep_the_recipe(name, problem, monkeypatch):
     monkeypatch.setattr(engine, "fused_adam_problem", lambda: problem)
-    cfg = resolve_ds_config(load_ds_template(REPO / "ds_configs" / name), BatchPlan(16, 2, 2), 3e-4, "cuda")
+    cfg = resolve_ds_config(load_ds_template(REPO / "ds_configs" / name), BatchPlan(16, 2, 2), 3e-4, device_type="cuda")
     assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (
         64,
         16,
@@ -65,12 +65,12 @@ def test_shipped_configs_keep_the_recipe(name, problem, monkeypatch):
 def test_fp16_on_cpu_becomes_fp32_with_a_warning(caplog, probe):
     template = load_ds_template(REPO / "ds_configs" / "ds_fp16.json")
     with caplog.at_level(logging.WARNING):
-        cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cpu")
+        cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, device_type="cpu")
     assert cfg["fp16"]["enabled"] is False and not cfg.get("bf16", {}).get("enabled")
     assert "training in fp32 on cpu" in caplog.text
     assert cfg["optimizer"]["params"]["torch_adam"] is True
     assert template["fp16"]["enabled"] is True  # the template is not modified
-    gpu = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cuda")
+    gpu = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, device_type="cuda")
     assert gpu["fp16"]["enabled"] is True
 
 
@@ -85,7 +85,7 @@ def test_fused_adam_that_cannot_be_built_gives_way_to_torchs_with_one_warning(mo
     assert probe() == "ninja is not on PATH (pip install ninja)"
     template = load_ds_template(REPO / "ds_configs" / "ds_fp16.json")
     with caplog.at_level(logging.WARNING):
-        cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cuda")
+        cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, device_type="cuda")
     assert cfg["optimizer"]["params"]["torch_adam"] is True and cfg["optimizer"]["params"]["fused"] is True
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
@@ -103,7 +103,7 @@ def test_fused_adam_that_cannot_be_built_gives_way_to_torchs_with_one_warning(mo
     assert probe() is None
     # A user's explicit choice stands.
     mine = resolve_ds_config(
-        {"optimizer": {"type": "Adam", "params": {"torch_adam": False}}}, BatchPlan(4, 1, 1), 1e-3, "cuda"
+        {"optimizer": {"type": "Adam", "params": {"torch_adam": False}}}, BatchPlan(4, 1, 1), 1e-3, device_type="cuda"
     )
     assert mine["optimizer"]["params"] == {"torch_adam": False, "lr": 1e-3, "adam_w_mode": False}
 
@@ -129,7 +129,7 @@ def test_a_ninja_off_path_is_found_and_put_on_path(layout, monkeypatch, tmp_path
 
 
 def test_recipe_defaults_fill_a_minimal_json():
-    cfg = resolve_ds_config({}, BatchPlan(4, 1, 1), 1e-3, "cpu")
+    cfg = resolve_ds_config({}, BatchPlan(4, 1, 1), 1e-3, device_type="cpu")
     assert cfg["optimizer"]["params"]["adam_w_mode"] is False  # plain Adam, as the reference
     assert cfg["gradient_clipping"] == 0.0  # DeepSpeed would clip at 1.0
 
@@ -147,11 +147,11 @@ def test_recipe_defaults_fill_a_minimal_json():
 )
 def test_conflicting_json_is_an_error(template, message):
     with pytest.raises(ConfigError, match=message):
-        resolve_ds_config(template, BatchPlan(16, 2, 2), 1e-3, "cpu")
+        resolve_ds_config(template, BatchPlan(16, 2, 2), 1e-3, device_type="cpu")
 
 
 def test_matching_batch_keys_are_accepted():
-    cfg = resolve_ds_config({"train_batch_size": 64}, BatchPlan(16, 2, 2), 1e-3, "cpu")
+    cfg = resolve_ds_config({"train_batch_size": 64}, BatchPlan(16, 2, 2), 1e-3, device_type="cpu")
     assert cfg["train_batch_size"] == 64
 
 
@@ -180,14 +180,18 @@ def test_overrides_cannot_set_what_the_experiment_sets(tmp_path):
     path.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"eps": 1e-8}}}))
     with pytest.raises(ConfigError, match="sets optimizer.params.lr"):
         template = load_ds_template(path, {"optimizer": {"params": {"lr": 0.1}}})
-        resolve_ds_config(template, BatchPlan(16, 2, 2), 1e-3, "cpu")
+        resolve_ds_config(template, BatchPlan(16, 2, 2), 1e-3, device_type="cpu")
 
 
 def test_the_throughput_timer_stays_off_unless_the_json_turns_it_on():
     # DeepSpeed's timer synchronizes the device twice a step: off, also where the JSON sets other timer settings.
-    partial = resolve_ds_config({"timers": {"throughput": {"synchronized": True}}}, BatchPlan(4, 1, 1), 1e-3, "cuda")
+    partial = resolve_ds_config(
+        {"timers": {"throughput": {"synchronized": True}}}, BatchPlan(4, 1, 1), 1e-3, device_type="cuda"
+    )
     assert partial["timers"] == {"throughput": {"synchronized": True, "enabled": False}}
-    asked = resolve_ds_config({"timers": {"throughput": {"enabled": True}}}, BatchPlan(4, 1, 1), 1e-3, "cuda")
+    asked = resolve_ds_config(
+        {"timers": {"throughput": {"enabled": True}}}, BatchPlan(4, 1, 1), 1e-3, device_type="cuda"
+    )
     assert asked["timers"]["throughput"]["enabled"] is True
 
 
@@ -244,7 +248,7 @@ def test_an_arch_list_deepspeed_cannot_parse_gives_way_to_torchs_fused_adam(monk
     fused_adam.fit_arch_list.cache_clear()
     template = load_ds_template(REPO / "ds_configs" / "ds_fp16.json")
     with caplog.at_level(logging.WARNING):
-        cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, "cuda")
+        cfg = resolve_ds_config(template, BatchPlan(4, 1, 1), 1e-3, device_type="cuda")
     fused_adam.fit_arch_list.cache_clear()
     assert {k: cfg["optimizer"]["params"][k] for k in TORCH_FUSED_ADAM} == TORCH_FUSED_ADAM
     assert "TORCH_CUDA_ARCH_LIST 'Hopper' has entries DeepSpeed cannot parse" in caplog.text

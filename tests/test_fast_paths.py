@@ -16,7 +16,7 @@ from pipeline.volumes import VolumeFiles, VolumePair
 from tests.conftest import REPO, EveryRotation, run_train, single_process_env, tiny_args
 
 CROP = 8
-AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
+AUG = Augmenter(in_channels=4, out_channels=5, in_vectors=[[1, 2, 3]], out_vectors=[[1, 2, 3]])
 CPU = torch.device("cpu")
 BACKENDS = ["torch"] + (["dali"] if dali_installed() else [])
 CHANNELS_LAST = torch.channels_last_3d
@@ -24,7 +24,7 @@ CHANNELS_LAST = torch.channels_last_3d
 
 @pytest.fixture(scope="module")
 def volumes(tiny_data):
-    return VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP).load()
+    return VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, crop_size=CROP).load()
 
 
 def _epoch(loader):
@@ -40,8 +40,15 @@ PLAN = EveryRotation(seed=0, num_samples=28, batch_size=8, box_size=32, crop_siz
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_channels_last_batches_hold_the_same_values(volumes, backend):
     def batches(channels_last):
-        settings = LoaderSettings(backend, "host", "float32", 2, 2, channels_last=channels_last)
-        return _epoch(build_loader(volumes, PLAN, AUG, settings, CPU, torch.float32))
+        settings = LoaderSettings(
+            backend=backend,
+            storage="host",
+            device_storage_dtype="float32",
+            threads=2,
+            lookahead=2,
+            channels_last=channels_last,
+        )
+        return _epoch(build_loader(volumes, PLAN, AUG, settings=settings, device=CPU, dtype=torch.float32))
 
     for (a_inp, a_tar), (b_inp, b_tar) in zip(batches(False), batches(True), strict=True):
         assert b_inp.is_contiguous(memory_format=CHANNELS_LAST) and b_tar.is_contiguous(memory_format=CHANNELS_LAST)
@@ -64,7 +71,9 @@ def test_channels_last_on_the_device_paths(volumes, backend, source, rotate):
             if source == "batcher":
                 crops = BatcherCrops(CropBatcher(volumes, plan, AUG, rotate_here=False, threads=1, lookahead=1, hold=2))
             else:
-                crops = ResidentCrops(*resident, AUG, plan.crop_size, torch.float32, channels_last)
+                crops = ResidentCrops(
+                    *resident, AUG, crop_size=plan.crop_size, dtype=torch.float32, channels_last=channels_last
+                )
             loader = DaliLoader(crops=crops, device_id=None, **common)
         else:
             from pipeline.torch_backend import TorchLoader
@@ -183,14 +192,16 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
     from trainer.step import micro_step
 
     init_distributed(DistEnv.from_environ({}), 60.0)
-    config = resolve_ds_config(load_ds_template(REPO / "ds_configs" / "ds_fp32.json"), BatchPlan(4, 1, 1), 1e-3, "cuda")
+    config = resolve_ds_config(
+        load_ds_template(REPO / "ds_configs" / "ds_fp32.json"), BatchPlan(4, 1, 1), 1e-3, device_type="cuda"
+    )
     net = UNet(4, 5, width=8, depth=4)
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     skip_single_rank_reduction(engine)
     x = torch.randn(4, 4, 32, 32, 32, device=engine.device).contiguous(memory_format=CHANNELS_LAST)
     y = torch.rand(4, 5, 32, 32, 32, device=engine.device) - 0.5
     for _ in range(2):  # warm-up: first calls set things up
-        micro_step(engine, x, y, Loss())
+        micro_step(engine, x, y, loss_fn=Loss())
     torch.cuda.synchronize()
 
     def no_sync(*args, **kwargs):
@@ -199,7 +210,7 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = micro_step(engine, x, y, Loss())
+        loss = micro_step(engine, x, y, loss_fn=Loss())
     finally:
         torch.cuda.set_sync_debug_mode("default")
         monkeypatch.undo()
@@ -217,7 +228,7 @@ from trainer.dist import init_distributed
 
 device = init_distributed(DistEnv.from_environ(), 60.0)
 template = load_ds_template(REPO / "ds_configs" / "ds_fp32.json")
-config = resolve_ds_config(template, BatchPlan(2, 2, 1), 1e-3, device.type)
+config = resolve_ds_config(template, BatchPlan(2, 2, 1), 1e-3, device_type=device.type)
 engines = []
 for skip in (False, True):
     torch.manual_seed(0)
@@ -230,7 +241,7 @@ gen = torch.Generator().manual_seed(1)
 for _ in range(4):  # two optimizer steps of two micro-batches
     x, y = torch.randn(2, 4, 8, 8, 8, generator=gen), torch.rand(2, 5, 8, 8, 8, generator=gen) - 0.5
     for engine in engines:
-        micro_step(engine, x.to(engine.device), y.to(engine.device), Loss(lambda_rho=0.1))
+        micro_step(engine, x.to(engine.device), y.to(engine.device), loss_fn=Loss(lambda_rho=0.1))
 assert engines[1].global_steps == 2 and not engines[1].enable_backward_allreduce
 reduced, skipped = ([p.detach().cpu() for p in engine.module.parameters()] for engine in engines)
 assert not all(torch.equal(p, q) for p, q in zip(reduced, initial)), "the weights did not move"
@@ -262,7 +273,7 @@ from trainer.dist import init_distributed
 
 device = init_distributed(DistEnv.from_environ(), 60.0)
 template = load_ds_template(REPO / "ds_configs" / "ds_fp32.json")
-config = resolve_ds_config(template, BatchPlan(2, 1, 1), 1e-3, device.type)
+config = resolve_ds_config(template, BatchPlan(2, 1, 1), 1e-3, device_type=device.type)
 net = UNet(4, 5, width=4, depth=2)
 engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
 skip_single_rank_reduction(engine)
@@ -270,7 +281,7 @@ accelerator, syncs = get_accelerator(), []
 accelerator.synchronize = lambda *args, **kwargs: syncs.append(1)
 x, y = torch.randn(2, 4, 8, 8, 8), torch.rand(2, 5, 8, 8, 8) - 0.5
 for _ in range(5):
-    micro_step(engine, x.to(engine.device), y.to(engine.device), Loss(lambda_rho=0.1))
+    micro_step(engine, x.to(engine.device), y.to(engine.device), loss_fn=Loss(lambda_rho=0.1))
 print("device syncs in 5 steps:", len(syncs))
 """
 

@@ -47,7 +47,7 @@ for case in json.loads(sys.argv[1]):
     scale = engine.optimizer.loss_scale if engine.fp16_enabled() else 1.0
     dtype = next(engine.module.parameters()).dtype
     for _ in range(accumulation):
-        micro_step(engine, x.to(engine.device, dtype), y.to(engine.device), Loss())
+        micro_step(engine, x.to(engine.device, dtype), y.to(engine.device), loss_fn=Loss())
     ratios = [float(grads[n].norm() / p.grad.norm()) for n, p in reference.named_parameters()]
     cosines = [float(torch.nn.functional.cosine_similarity(grads[n].flatten(), p.grad.flatten(), dim=0))
                for n, p in reference.named_parameters()]

@@ -50,7 +50,7 @@ def _closure(roots: set[str]) -> set[str]:
 
 
 def _shipped(dali: bool) -> set[str]:
-    return {canonicalize_name(distribution) for distribution, _ in listed(dali)}
+    return {canonicalize_name(distribution) for distribution, _ in listed(dali=dali)}
 
 
 def test_the_offline_wheels_cover_what_the_project_deepspeed_and_the_tests_require():

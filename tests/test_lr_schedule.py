@@ -84,7 +84,7 @@ from trainer.dist import init_distributed
 
 device = init_distributed(DistEnv.from_environ(), 60.0)
 template = load_ds_template(REPO / "ds_configs" / "ds_bf16.json")
-config = resolve_ds_config(template, BatchPlan(2, 1, 1), 1e-3, device.type)
+config = resolve_ds_config(template, BatchPlan(2, 1, 1), 1e-3, device_type=device.type)
 torch.manual_seed(0)
 net = torch.nn.Linear(4, 1)
 make = lambda opt: ScaledCosineSchedule(opt, start_lr=1e-3, end_lr=1e-5, warmup_steps=0, total_steps=10,

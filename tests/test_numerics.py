@@ -46,7 +46,7 @@ for step in range(1, case["steps"] + 1):
     x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 5, generator=gen)
     x, y = x.to(engine.device, dtype), y.to(engine.device)
     seen = watch.after_backward if step >= case["watch_from"] else None
-    micro_step(engine, x, y, loss_fn(step in case["overflow"]), after_backward=seen)
+    micro_step(engine, x, y, loss_fn=loss_fn(step in case["overflow"]), after_backward=seen)
     if step >= case["watch_from"] and (step - case["watch_from"] + 1) % case["log_every"] == 0:
         reports.append(vars(watch.report()))
 print(json.dumps({"reports": reports, "warnings": warnings, "changed": watch.weights_changed(),

@@ -18,7 +18,7 @@ from pipeline.volumes import DataError, VolumeFiles, VolumePair
 from tests.conftest import EveryRotation
 
 CROP = 8
-AUG = Augmenter(4, 5, [[1, 2, 3]], [[1, 2, 3]])
+AUG = Augmenter(in_channels=4, out_channels=5, in_vectors=[[1, 2, 3]], out_vectors=[[1, 2, 3]])
 CPU = torch.device("cpu")
 
 
@@ -28,7 +28,7 @@ def _plan(num_samples=48, batch_size=8, cls=EveryRotation, **kw):
 
 @pytest.fixture(scope="module")
 def volumes(tiny_data):
-    return VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, CROP).load()
+    return VolumePair.open(VolumeFiles.hdf5(tiny_data["train"]), 4, 5, crop_size=CROP).load()
 
 
 def _epoch(loader):
@@ -73,7 +73,14 @@ def test_cpu_batches_of_the_torch_backend_are_read_in_place_and_stay_intact_thro
     plan = _plan(num_samples=64, batch_size=8)
     for lookahead in (0, 1, 3):
         loader = build_loader(
-            volumes, plan, AUG, LoaderSettings("torch", "host", "float32", 2, lookahead), CPU, torch.float32
+            volumes,
+            plan,
+            AUG,
+            settings=LoaderSettings(
+                backend="torch", storage="host", device_storage_dtype="float32", threads=2, lookahead=lookahead
+            ),
+            device=CPU,
+            dtype=torch.float32,
         )
         previous, buffers = None, set()
         for b, (inputs, targets) in enumerate(loader):
@@ -93,8 +100,8 @@ def test_cpu_batches_of_the_torch_backend_are_read_in_place_and_stay_intact_thro
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_inputs_in_training_dtype_targets_in_float32(volumes, backend, dtype):
     plan = _plan(num_samples=8)
-    settings = LoaderSettings(backend, "host", "float32", threads=1, lookahead=1)
-    loader = build_loader(volumes, plan, AUG, settings, CPU, dtype)
+    settings = LoaderSettings(backend=backend, storage="host", device_storage_dtype="float32", threads=1, lookahead=1)
+    loader = build_loader(volumes, plan, AUG, settings=settings, device=CPU, dtype=dtype)
     ((inputs, targets),) = _epoch(loader)
     assert inputs.dtype == dtype and inputs.is_contiguous() and targets.dtype == torch.float32
     ref_inp, ref_tar = AUG.reference(volumes, plan.batch_draws(0, 0)[3], CROP)
@@ -122,12 +129,14 @@ def test_every_storage_mode_format_and_backend_gives_the_reference_samples(tmp_p
         "npy DHWC": _npy_files(tmp_path, volumes, "DHWC"),
     }
     for files in sources.values():
-        opened = VolumePair.open(files, 4, 5, CROP)
+        opened = VolumePair.open(files, 4, 5, crop_size=CROP)
         for backend in ("dali", "torch"):
             # 'device' runs here on the CPU: the volumes held by DALI's gathering function, or by torch's gather.
             for storage in ("lazy", "host", "device"):
-                settings = LoaderSettings(backend, storage, "float32", threads=2, lookahead=2)
-                loader = build_loader(opened, plan, AUG, settings, CPU, torch.float32)
+                settings = LoaderSettings(
+                    backend=backend, storage=storage, device_storage_dtype="float32", threads=2, lookahead=2
+                )
+                loader = build_loader(opened, plan, AUG, settings=settings, device=CPU, dtype=torch.float32)
                 _check_against_reference(loader, plan, volumes)
                 loader.close()
 
@@ -155,7 +164,9 @@ def test_batcher_works_ahead_across_epochs_and_reports_errors(volumes):
     assert len(first.draws) == 8 and first.rotated
     assert set(batcher._pending) == {(0, 1), (1, 0)}  # the rest of the epoch and the next one's start
     assert batcher.get(5, 1).draws == plan.batch_draws(5, 1)  # a jump is served too
-    bad = CropBatcher(volumes, _plan(num_samples=8, batch_size=8, cls=DrawPlan, validation=True), AUG, True, 1)
+    bad = CropBatcher(
+        volumes, _plan(num_samples=8, batch_size=8, cls=DrawPlan, validation=True), AUG, rotate_here=True, threads=1
+    )
     bad.volumes = VolumePair(volumes.files, volumes.nbody[:, :4], volumes.hydro)  # crops out of range
     with pytest.raises(ValueError):
         bad.get(0, 0)
@@ -195,7 +206,7 @@ def test_guarded_buffers_are_cut_into_only_after_their_guard(volumes):
 
 def test_draws_are_deterministic_and_differ_by_rank_and_epoch():
     def draws(seed, epoch):
-        return [train_draw(seed, epoch, i, 128, 32, True) for i in range(64)]
+        return [train_draw(seed, epoch, i, box_size=128, crop_size=32, rotate=True) for i in range(64)]
 
     assert draws(10, 0) == draws(10, 0)
     assert draws(10, 0) != draws(11, 0)  # rank 1's seed is base seed + 1
@@ -203,12 +214,14 @@ def test_draws_are_deterministic_and_differ_by_rank_and_epoch():
     corners = np.array([d.corner for d in draws(10, 0) + draws(10, 1)])
     assert corners.min() >= 0 and corners.max() <= 128 - 32
     assert len({d.rotation for d in draws(10, 0) + draws(10, 1) + draws(10, 2)}) == len(ROTATIONS)
-    assert {d.rotation for d in (train_draw(10, 0, i, 64, 32, False) for i in range(32))} == {0}
+    assert {d.rotation for d in (train_draw(10, 0, i, box_size=64, crop_size=32, rotate=False) for i in range(32))} == {
+        0
+    }
     # Validation crops are one fixed set, whatever the rank; a rank's plan takes its own slice of it.
     plan = DrawPlan(
         seed=0, num_samples=4, batch_size=4, box_size=64, crop_size=32, rotate=False, validation=True, first_index=4
     )
-    assert plan.batch_draws(0, 0) == plan.batch_draws(3, 0) == [val_draw(0, i, 64, 32) for i in range(4, 8)]
+    assert plan.batch_draws(0, 0) == plan.batch_draws(3, 0) == [val_draw(0, i, 64, crop_size=32) for i in range(4, 8)]
 
 
 @pytest.mark.parametrize(
@@ -241,7 +254,7 @@ def test_bad_hdf5_files_are_named(tmp_path, tiny_data, mutate, message):
     with h5py.File(path, "a") as f:
         mutate(f)
     with pytest.raises(DataError, match=message) as err:
-        VolumePair.open(VolumeFiles.hdf5(path), 4, 5, CROP)
+        VolumePair.open(VolumeFiles.hdf5(path), 4, 5, crop_size=CROP)
     assert str(path) in str(err.value)
 
 
@@ -250,25 +263,25 @@ def test_bad_npy_files_are_named(tmp_path, volumes):
     with pytest.raises(
         DataError, match="shape \\(32, 32, 32, 4\\), expected \\(channels, L, L, L\\) as npy_layout CDHW"
     ):
-        VolumePair.open(VolumeFiles.npy(files.inputs, files.targets, "CDHW"), 4, 5, CROP)
+        VolumePair.open(VolumeFiles.npy(files.inputs, files.targets, "CDHW"), 4, 5, crop_size=CROP)
     with pytest.raises(DataError, match="label_DHWC.npy: the target array has 5 channels, the model expects 4"):
-        VolumePair.open(VolumeFiles.npy(files.targets, files.targets, "DHWC"), 5, 4, CROP)
+        VolumePair.open(VolumeFiles.npy(files.targets, files.targets, "DHWC"), 5, 4, crop_size=CROP)
     truncated = tmp_path / "truncated.npy"
     truncated.write_bytes(files.inputs.read_bytes()[:1000])
     with pytest.raises(DataError, match="truncated.npy: not a readable .npy file"):
-        VolumePair.open(VolumeFiles.npy(truncated, files.targets, "DHWC"), 4, 5, CROP)
+        VolumePair.open(VolumeFiles.npy(truncated, files.targets, "DHWC"), 4, 5, crop_size=CROP)
 
 
 def test_missing_corrupt_and_too_small(tmp_path, tiny_data):
     with pytest.raises(DataError, match="no such data file"):
-        VolumePair.open(VolumeFiles.hdf5(tmp_path / "nope.h5"), 4, 5, CROP)
+        VolumePair.open(VolumeFiles.hdf5(tmp_path / "nope.h5"), 4, 5, crop_size=CROP)
     with pytest.raises(DataError, match="a directory, not a data file"):
-        VolumePair.open(VolumeFiles.hdf5(tmp_path), 4, 5, CROP)
+        VolumePair.open(VolumeFiles.hdf5(tmp_path), 4, 5, crop_size=CROP)
     (tmp_path / "junk.h5").write_bytes(b"not hdf5 at all")
     with pytest.raises(DataError, match="not a readable HDF5 file"):
-        VolumePair.open(VolumeFiles.hdf5(tmp_path / "junk.h5"), 4, 5, CROP)
+        VolumePair.open(VolumeFiles.hdf5(tmp_path / "junk.h5"), 4, 5, crop_size=CROP)
     with pytest.raises(DataError, match="larger than the box"):
-        VolumePair.open(VolumeFiles.hdf5(tiny_data["val"]), 4, 5, 64)
+        VolumePair.open(VolumeFiles.hdf5(tiny_data["val"]), 4, 5, crop_size=64)
 
 
 @pytest.mark.parametrize("layout", ["CDHW", "DHWC"])
@@ -278,7 +291,7 @@ def test_convert_writes_npy_the_npy_format_reads(tmp_path, tiny_data, volumes, l
 
     data, label = convert(tiny_data["train"], tmp_path / "train", layout)
     assert (data.name, label.name) == ("train_data.npy", "train_label.npy")
-    converted = VolumePair.open(VolumeFiles.npy(data, label, layout), 4, 5, CROP)
+    converted = VolumePair.open(VolumeFiles.npy(data, label, layout), 4, 5, crop_size=CROP)
     assert np.array_equal(converted.nbody, volumes.nbody) and np.array_equal(converted.hydro, volumes.hydro)
     stamps = [data.stat().st_mtime_ns, label.stat().st_mtime_ns]
     with pytest.raises(DataError, match="train_data.npy and .*train_label.npy exist: --overwrite replaces them"):
@@ -307,13 +320,13 @@ def test_convert_writes_npy_the_npy_format_reads(tmp_path, tiny_data, volumes, l
 def test_host_memory_that_cannot_fit_is_refused_before_loading(volumes, monkeypatch):
     import pipeline.loaders as loaders
 
-    settings = LoaderSettings("dali", "host", "float32", 1, 1)
+    settings = LoaderSettings(backend="dali", storage="host", device_storage_dtype="float32", threads=1, lookahead=1)
     buffers = 1000
     monkeypatch.setattr(loaders, "_available_host_bytes", lambda: (volumes.nbytes + buffers) * 3)
     loaders.check_memory([volumes], settings, local_ranks=3, buffer_bytes=buffers)  # fits: 3 ranks
     with pytest.raises(DataError, match="storage 'host' needs .* of host memory on this node"):
         loaders.check_memory([volumes], settings, local_ranks=3, buffer_bytes=buffers + 1)
-    lazy = LoaderSettings("dali", "lazy", "float32", 1, 1)
+    lazy = LoaderSettings(backend="dali", storage="lazy", device_storage_dtype="float32", threads=1, lookahead=1)
     loaders.check_memory([volumes], lazy, local_ranks=3, buffer_bytes=volumes.nbytes + buffers)
     with pytest.raises(DataError, match=r"storage 'lazy' needs .* batch buffers\) .*: lower data_prefetch"):
         loaders.check_memory([volumes], lazy, local_ranks=4, buffer_bytes=volumes.nbytes + buffers)
@@ -323,8 +336,11 @@ def test_host_memory_that_cannot_fit_is_refused_before_loading(volumes, monkeypa
 def test_the_memory_check_counts_the_batch_buffers_the_batchers_allocate(volumes, backend, storage):
     from pipeline.loaders import batch_buffer_bytes
 
-    settings = LoaderSettings(backend, storage, "float32", 1, 3)
-    loaders = [build_loader(volumes, _plan(), AUG, settings, CPU, torch.float32) for _ in ("train", "val")]
+    settings = LoaderSettings(backend=backend, storage=storage, device_storage_dtype="float32", threads=1, lookahead=3)
+    loaders = [
+        build_loader(volumes, _plan(), AUG, settings=settings, device=CPU, dtype=torch.float32)
+        for _ in ("train", "val")
+    ]
     try:
         expected = batch_buffer_bytes(settings, batch=8, crop=CROP, channels=9)
         assert sum(loader.batcher.nbytes for loader in loaders) == expected > 0

@@ -29,7 +29,7 @@ CPU = torch.device("cpu")
 
 def _net(seed=0, width=4, depth=3):
     torch.manual_seed(seed)
-    net = UNet(4, 5, width, depth)
+    net = UNet(4, 5, width, depth=depth)
     net.init_weights(conv_scale=0.1, conv_bias=0.0)
     return net.eval()
 
@@ -253,7 +253,15 @@ def test_a_truth_without_flows_leaves_the_velocities_unjudged():
 
 
 def test_export_round_trip_gives_identical_outputs(tmp_path):
-    spec = EmulatorSpec(4, 5, 4, 3, 16, [[1, 2, 3]], [[1, 2, 3]])
+    spec = EmulatorSpec(
+        in_channels=4,
+        out_channels=5,
+        width=4,
+        depth=3,
+        crop_size=16,
+        input_vectors=[[1, 2, 3]],
+        target_vectors=[[1, 2, 3]],
+    )
     emulator = Emulator(spec, _net(seed=5), "test")
     export(emulator, tmp_path / "emulator.pt")
     loaded = from_weights(tmp_path / "emulator.pt")

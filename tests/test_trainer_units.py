@@ -15,7 +15,7 @@ from trainer.config import Config
     ],
 )
 def test_validation_share(num, batch, policy, world, expected):
-    shares = [validation_share(num, batch, policy, rank, world) for rank in range(world)]
+    shares = [validation_share(num, batch, policy, rank=rank, world_size=world) for rank in range(world)]
     assert shares == expected
     if policy == "partial":
         assert sum(count for _, count in shares) == num
@@ -24,12 +24,14 @@ def test_validation_share(num, batch, policy, world, expected):
 def test_data_keys_that_the_storage_mode_does_not_use():
     tuned = Config(num_data_workers=8, data_prefetch=4, device_storage_dtype="float16")
     # The GPU cuts the crops: no CPU threads; the torch backend prefetches nothing there, DALI does.
-    assert unused_data_keys(tuned, "device", "torch", "cuda") == ["num_data_workers", "data_prefetch"]
-    assert unused_data_keys(tuned, "device", "dali", "cuda") == ["num_data_workers"]
-    assert unused_data_keys(tuned, "host", "dali", "cuda") == ["device_storage_dtype"]
-    assert unused_data_keys(tuned, "lazy", "torch", "cpu") == ["device_storage_dtype"]
+    assert unused_data_keys(tuned, "device", "torch", device_type="cuda") == ["num_data_workers", "data_prefetch"]
+    assert unused_data_keys(tuned, "device", "dali", device_type="cuda") == ["num_data_workers"]
+    assert unused_data_keys(tuned, "host", "dali", device_type="cuda") == ["device_storage_dtype"]
+    assert unused_data_keys(tuned, "lazy", "torch", device_type="cpu") == ["device_storage_dtype"]
     assert (
-        unused_data_keys(Config(), "device", "dali", "cuda") == unused_data_keys(Config(), "lazy", "torch", "cpu") == []
+        unused_data_keys(Config(), "device", "dali", device_type="cuda")
+        == unused_data_keys(Config(), "lazy", "torch", device_type="cpu")
+        == []
     )
 
 
@@ -46,13 +48,13 @@ def test_a_micro_batch_that_does_not_fit_is_one_line_saying_what_to_lower():
         "130.00 GiB is allocated by PyTorch, and 7.00 GiB is reserved by PyTorch but unallocated."
     )
     where = "epoch 1, batch 1, after step 0"
-    line = str(out_of_memory(torch.OutOfMemoryError(torch_says), 1024, 64, "cuda:0 (NVIDIA H200)", where))
+    line = str(out_of_memory(torch.OutOfMemoryError(torch_says), 1024, 64, device="cuda:0 (NVIDIA H200)", where=where))
     assert line == (
         "a micro-batch of 1024 crops of 64^3 does not fit in the memory of cuda:0 (NVIDIA H200) at epoch 1, batch 1, "
         "after step 0 (20.00 GiB asked, 1.50 GiB free of 139.81 GiB): lower micro_batch_size (gradient accumulation "
         "keeps the global batch) or data_size"
     )
-    bare = str(out_of_memory(torch.OutOfMemoryError("out of memory"), 8, 32, "cuda:1", where))
+    bare = str(out_of_memory(torch.OutOfMemoryError("out of memory"), 8, 32, device="cuda:1", where=where))
     assert bare.startswith("a micro-batch of 8 crops of 32^3 does not fit in the memory of cuda:1 at epoch 1, batch 1")
     assert "): lower" not in bare and ": lower micro_batch_size" in bare
     assert "\n" not in line + bare

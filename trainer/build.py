@@ -49,7 +49,7 @@ from trainer.lr_schedule import ScaledCosineSchedule, peak_lr, warmup_applies
 log = logging.getLogger(__name__)
 
 
-def unused_data_keys(cfg: Config, storage: str, backend: str, device_type: str) -> list[str]:
+def unused_data_keys(cfg: Config, storage: str, backend: str, *, device_type: str) -> list[str]:
     """Keys set away from their defaults that the effective ``storage`` mode, ``backend`` and device do not use
     (each key's ``unused`` rule, beside its definition in ``trainer.config``)."""
     return [
@@ -106,10 +106,16 @@ def build_loss(cfg: Config) -> Loss:
             f"{asked} needs the temperature's normalization, which {volume_files(cfg, 'train').targets} does not "
             "declare: set temperature_log_range (channel 4 holds log10(T / T0) / temperature_log_range)"
         )
-    return Loss(cfg.lambda_rho, cfg.lambda_pk, cfg.lambda_T, cfg.lambda_hot, temperature_log_range)
+    return Loss(
+        lambda_rho=cfg.lambda_rho,
+        lambda_pk=cfg.lambda_pk,
+        lambda_T=cfg.lambda_T,
+        lambda_hot=cfg.lambda_hot,
+        temperature_log_range=temperature_log_range,
+    )
 
 
-def validation_share(num_samples: int, batch: int, last_batch: str, rank: int, world_size: int) -> tuple[int, int]:
+def validation_share(num_samples: int, batch: int, last_batch: str, *, rank: int, world_size: int) -> tuple[int, int]:
     """(first global index, count) of the validation samples that ``rank`` evaluates.
 
     ``partial``: all samples, spread as evenly as the ranks allow (the last batch may be smaller);
@@ -122,7 +128,7 @@ def validation_share(num_samples: int, batch: int, last_batch: str, rank: int, w
     return rank * base + min(rank, extra), base + (rank < extra)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunData:
     """A run's volumes, opened and checked, and how its loaders keep and cut them."""
 
@@ -131,17 +137,25 @@ class RunData:
     train: VolumePair
     val: VolumePair
 
-    def _loader(self, volumes: VolumePair, plan: DrawPlan, device: Device, dtype: torch.dtype, **position: int) -> Any:
+    def _loader(
+        self, volumes: VolumePair, plan: DrawPlan, device: Device, *, dtype: torch.dtype, **position: int
+    ) -> Any:
         cfg = self.cfg
-        augmenter = Augmenter(cfg.N_in_channels, cfg.N_out_channels, cfg.input_vectors, cfg.target_vectors)
+        augmenter = Augmenter(
+            in_channels=cfg.N_in_channels,
+            out_channels=cfg.N_out_channels,
+            in_vectors=cfg.input_vectors,
+            out_vectors=cfg.target_vectors,
+        )
         where = torch.device(device.type, device.index)
-        return build_loader(volumes, plan, augmenter, self.settings, where, dtype, **position)
+        return build_loader(volumes, plan, augmenter, settings=self.settings, device=where, dtype=dtype, **position)
 
     def train_loader(
         self,
         dist: DistEnv,
         micro: int,
         accumulation: int,
+        *,
         steps_per_epoch: int,
         device: Device,
         dtype: torch.dtype,
@@ -158,12 +172,14 @@ class RunData:
             crop_size=cfg.data_size,
             rotate=cfg.rotate,
         )
-        return self._loader(self.train, plan, device, dtype, first_epoch=first_epoch, first_batch=first_batch)
+        return self._loader(self.train, plan, device, dtype=dtype, first_epoch=first_epoch, first_batch=first_batch)
 
-    def val_loader(self, dist: DistEnv, micro: int, device: Device, dtype: torch.dtype) -> Any:
+    def val_loader(self, dist: DistEnv, micro: int, device: Device, *, dtype: torch.dtype) -> Any:
         """This rank's share of the validation samples."""
         cfg = self.cfg
-        first, count = validation_share(cfg.Nsamples_val, micro, cfg.last_batch, dist.rank, dist.world_size)
+        first, count = validation_share(
+            cfg.Nsamples_val, micro, cfg.last_batch, rank=dist.rank, world_size=dist.world_size
+        )
         if count == 0:
             raise ConfigError(
                 f"Nsamples_val {cfg.Nsamples_val} leaves rank {dist.rank} no validation samples "
@@ -181,7 +197,7 @@ class RunData:
             validation=True,
             first_index=first,
         )
-        return self._loader(self.val, plan, device, dtype)
+        return self._loader(self.val, plan, device, dtype=dtype)
 
 
 def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
@@ -197,10 +213,10 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
         )
     if cfg.science_box_size is not None and not cfg.science_every_epochs:
         log.warning("science_box_size has no effect without science_every_epochs")
-    for key in unused_data_keys(cfg, storage, backend, device.type):
+    for key in unused_data_keys(cfg, storage, backend, device_type=device.type):
         log.warning("%s has no effect with storage '%s' (backend %s)", key, storage, backend)
     train, val = (
-        VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, cfg.data_size)
+        VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, crop_size=cfg.data_size)
         for split in ("train", "val")
     )
     if cfg.science_box_size is not None and cfg.science_box_size > val.box_size:
@@ -209,18 +225,18 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
         for volumes in (train, val):
             volumes.check_finite(cfg.data_size, seed=cfg.seed)
     settings = LoaderSettings(
-        backend,
-        storage,
-        cfg.device_storage_dtype,
-        cfg.num_data_workers,
-        cfg.data_prefetch,
-        channels_last_on(cfg, device.type),
+        backend=backend,
+        storage=storage,
+        device_storage_dtype=cfg.device_storage_dtype,
+        threads=cfg.num_data_workers,
+        lookahead=cfg.data_prefetch,
+        channels_last=channels_last_on(cfg, device.type),
     )
     micro = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size).micro_batch
     channels = cfg.N_in_channels + cfg.N_out_channels
-    buffers = batch_buffer_bytes(settings, micro, cfg.data_size, channels, cfg.data_format)
-    check_memory([train, val], settings, dist.local_world_size, buffers)
-    return RunData(cfg, settings, train, val)
+    buffers = batch_buffer_bytes(settings, micro, cfg.data_size, channels=channels, data_format=cfg.data_format)
+    check_memory([train, val], settings, dist.local_world_size, buffer_bytes=buffers)
+    return RunData(cfg=cfg, settings=settings, train=train, val=val)
 
 
 def engine_config(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
@@ -230,8 +246,8 @@ def engine_config(cfg: Config, world_size: int, device_type: str) -> dict[str, A
     return resolve_ds_config(
         load_ds_template(cfg.deepspeed_config, cfg.deepspeed_overrides),
         plan_batches(cfg.global_batch_size, cfg.micro_batch_size, world_size),
-        peak_lr(sched.start_lr, sched.scaling, cfg.global_batch_size, cfg.base_batch_size),
-        device_type,
+        peak_lr(sched.start_lr, sched.scaling, cfg.global_batch_size, base_batch=cfg.base_batch_size),
+        device_type=device_type,
     )
 
 
@@ -245,7 +261,7 @@ def build_model(cfg: Config) -> UNet:
     return model
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineSetup:
     """DeepSpeed's engine and what was decided with it."""
 
@@ -325,7 +341,14 @@ def build_engine(cfg: Config, dist: DistEnv, device: Device) -> EngineSetup:
     elif cfg.compile_mode != "default":
         log.warning("compile_mode has no effect without compile: true")
     parameters = sum(p.numel() for p in model.parameters())
-    return EngineSetup(engine, schedule, ds_config, train_dtype(engine), parameters, steps_per_epoch)
+    return EngineSetup(
+        engine=engine,
+        schedule=schedule,
+        ds_config=ds_config,
+        dtype=train_dtype(engine),
+        parameters=parameters,
+        steps_per_epoch=steps_per_epoch,
+    )
 
 
 def run_facts(setup: EngineSetup, data: RunData, dist: DistEnv) -> dict[str, Any]:

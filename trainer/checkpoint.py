@@ -124,7 +124,7 @@ def _publish(ckpt_dir: Path, partial: str, tag: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], keep: int) -> str:
+def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], *, keep: int) -> str:
     """Save the engine's state as the newest checkpoint, on every rank; returns its tag.
 
     Refuses (NumericalError) to save weights that are not finite: a NaN model must not replace a

@@ -88,7 +88,7 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DistEnv:
     rank: int
     local_rank: int
@@ -119,7 +119,14 @@ class DistEnv:
                     "in a Slurm allocation of %s tasks but not started by srun or a launcher: training on one process",
                     environ["SLURM_NTASKS"],
                 )
-            return cls(0, 0, 1, 1, environ.get("MASTER_ADDR", "127.0.0.1"), _free_port())
+            return cls(
+                rank=0,
+                local_rank=0,
+                world_size=1,
+                local_world_size=1,
+                master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=_free_port(),
+            )
         if not 0 < env.master_port < 2**16:
             raise DistError(f"the rendezvous port {env.master_port} (MASTER_PORT) is not a port: choose one in 1-65535")
         if not 0 <= env.rank < env.world_size or not 0 <= env.local_rank < env.local_world_size:
@@ -138,13 +145,13 @@ class DistEnv:
         # torchrun names it LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE.
         local_world = int(environ.get("LOCAL_WORLD_SIZE", environ.get("LOCAL_SIZE", values["WORLD_SIZE"])))
         return cls(
-            values["RANK"],
-            values["LOCAL_RANK"],
-            values["WORLD_SIZE"],
-            local_world,
-            environ["MASTER_ADDR"],
-            values["MASTER_PORT"],
-            "launcher",
+            rank=values["RANK"],
+            local_rank=values["LOCAL_RANK"],
+            world_size=values["WORLD_SIZE"],
+            local_world_size=local_world,
+            master_addr=environ["MASTER_ADDR"],
+            master_port=values["MASTER_PORT"],
+            source="launcher",
         )
 
     @classmethod
@@ -203,7 +210,7 @@ class Device:
 
 
 def gpu_index(
-    local_rank: int, local_world_size: int, visible_gpus: int, environ: Mapping[str, str], srun_tasks: bool
+    local_rank: int, local_world_size: int, visible_gpus: int, *, environ: Mapping[str, str], srun_tasks: bool
 ) -> int:
     """The GPU of a rank: its local rank, or 0 where Slurm gives each task a GPU of its own: the ranks are srun's
     tasks (``srun_tasks``, not processes a launcher started inside one task) and srun ran with --gpus-per-task
@@ -315,7 +322,7 @@ def _roll_call(store: torch_dist.Store, dist: DistEnv, timeout_s: float) -> None
         time.sleep(0.05)
 
 
-def _start_process_group(dist: DistEnv, backend: str, gpu: int | None, timeout_s: float) -> None:
+def _start_process_group(dist: DistEnv, backend: str, gpu: int | None, *, timeout_s: float) -> None:
     """The rendezvous (rank 0 serves it, or torchrun's agent does), the roll call, then the process group: bound to
     this rank's GPU as DeepSpeed binds it, so that NCCL starts here rather than at the first collective."""
     _resolve(dist)
@@ -367,7 +374,7 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
             dist.local_rank,
             dist.local_world_size,
             torch.cuda.device_count(),
-            os.environ,
+            environ=os.environ,
             srun_tasks=dist.source == "slurm",
         )
         torch.cuda.set_device(index)
@@ -377,7 +384,7 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
             announce_cpu_comm_build()
         settle_build_lock(_CPU_COMM_OP, clears=dist.local_rank == 0)
     backend = "nccl" if device_type == "cuda" else "gloo"
-    _start_process_group(dist, backend, index, timeout_s)
+    _start_process_group(dist, backend, index, timeout_s=timeout_s)
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))  # wraps the group
     started = {"launcher": "a launcher's variables", "slurm": "srun's variables", "single": "no launcher"}[dist.source]
     log.info(

@@ -131,7 +131,7 @@ def load_ds_template(path: str | Path, overrides: dict[str, Any] | None = None) 
     return merge_settings(template, overrides or {})
 
 
-def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, device_type: str) -> dict[str, Any]:
+def resolve_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, *, device_type: str) -> dict[str, Any]:
     """The DeepSpeed config for this run: batch sizes and lr filled in, precision fitted to the device.
 
     fp16 with loss scaling is a GPU path: elsewhere it becomes fp32, with a warning. The recipe's

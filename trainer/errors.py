@@ -33,7 +33,7 @@ class NumericalError(RuntimeError):
 USER_ERRORS = (ConfigError, DataError, DistError, CheckpointError, HostfileError, HeldError)
 
 
-def out_of_memory(err: torch.OutOfMemoryError, micro_batch: int, crop: int, device: str, where: str) -> ConfigError:
+def out_of_memory(err: torch.OutOfMemoryError, micro_batch: int, crop: int, *, device: str, where: str) -> ConfigError:
     """The one line for a micro-batch that does not fit: where, what was asked and what was free (from torch's
     message, which says it for CUDA), and what to lower."""
     text = " ".join(str(err).split())

@@ -25,7 +25,7 @@ from typing import Any
 from torch.optim import Optimizer
 
 
-def peak_lr(start_lr: float, scaling: str, global_batch: int, base_batch: int) -> float:
+def peak_lr(start_lr: float, scaling: str, global_batch: int, *, base_batch: int) -> float:
     factor = {"sqrt": math.sqrt(global_batch / base_batch), "linear": global_batch / base_batch, "none": 1.0}
     return start_lr * factor[scaling]
 
@@ -48,7 +48,7 @@ class ScaledCosineSchedule:
         base_batch: int,
     ) -> None:
         self.optimizer = optimizer
-        self.peak = peak_lr(start_lr, scaling, global_batch, base_batch)
+        self.peak = peak_lr(start_lr, scaling, global_batch, base_batch=base_batch)
         self.end_lr = end_lr
         self.warmup_steps = warmup_steps if warmup_applies(scaling, global_batch, base_batch) else 0
         self.total_steps = total_steps

@@ -46,7 +46,7 @@ def weight_digest(weights: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(sums).cpu()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Report:
     """What one log point says about the steps since the last one."""
 
@@ -68,7 +68,7 @@ class LearningWatch:
     norm at accumulation boundaries, on the device); ``report`` at every log point. ``lr_at(step)`` is the learning
     rate of an optimizer step (1-based), ``peak_lr`` the schedule's largest."""
 
-    def __init__(self, engine: Any, lr_at: Callable[[int], float], peak_lr: float, warn: bool = True) -> None:
+    def __init__(self, engine: Any, lr_at: Callable[[int], float], peak_lr: float, *, warn: bool = True) -> None:
         self.engine, self.lr_at, self.peak_lr, self.warn = engine, lr_at, peak_lr, warn
         self.digest = self.start_digest = weight_digest(optimizer_weights(engine))
         self.steps, self.skipped = engine.global_steps, engine.skipped_steps
@@ -108,7 +108,9 @@ class LearningWatch:
             digest = weight_digest(optimizer_weights(engine))
             changed = not torch.equal(digest, self.digest)
             self.digest = digest
-        report = Report(self._last_grad_norm(), loss_scale(engine), skipped, changed)
+        report = Report(
+            grad_norm=self._last_grad_norm(), loss_scale=loss_scale(engine), skipped=skipped, weights_changed=changed
+        )
         moving = max(
             (self.lr_at(t) for t in range(engine.global_steps - steps + 1, engine.global_steps + 1)), default=0
         )

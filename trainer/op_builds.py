@@ -61,7 +61,7 @@ def _remove(lock: Path, inode: int) -> bool:
     return False
 
 
-def settle_build_lock(name: str, clears: bool, stale_s: float = STALE_LOCK_S) -> None:
+def settle_build_lock(name: str, *, clears: bool, stale_s: float = STALE_LOCK_S) -> None:
     """Return once op ``name`` has no build lock, saying what is waited for. The process that ``clears`` (one per
     machine: local rank 0) removes a lock that no process here holds and that is at least ``stale_s`` old, with a
     warning; the others wait for it to go."""

@@ -79,7 +79,7 @@ def block_ranges(model: UNet) -> Iterator[None]:
             leave(name)
 
 
-def summary(prof: torch.profiler.profile, on_gpu: bool) -> str:
+def summary(prof: torch.profiler.profile, *, on_gpu: bool) -> str:
     """The profiled steps' most expensive kernels (CPU ops without a GPU) by their own time, and each block's time
     forward and backward, as shares of the steps' total."""
     events = prof.key_averages()
@@ -117,8 +117,8 @@ def _block_order(name: str) -> tuple[int, int]:
     return ({"down": 0, "up": 1}.get(part, 2), int(index or 0))
 
 
-def write_summary(prof: torch.profiler.profile, path: Path, on_gpu: bool) -> None:
-    path.write_text(summary(prof, on_gpu))
+def write_summary(prof: torch.profiler.profile, path: Path, *, on_gpu: bool) -> None:
+    path.write_text(summary(prof, on_gpu=on_gpu))
 
 
 class StepProfiler:
@@ -127,7 +127,7 @@ class StepProfiler:
     (unless the model is compiled: hooks added after compiling would break or escape its graphs) and the summary
     table beside it. ``step()`` after each micro-step; ``stop()`` at the end (or on an error)."""
 
-    def __init__(self, model: UNet, out_dir: Path, rank: int, on_gpu: bool, compiled: bool) -> None:
+    def __init__(self, model: UNet, out_dir: Path, rank: int, *, on_gpu: bool, compiled: bool) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if on_gpu:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -138,7 +138,7 @@ class StepProfiler:
         def ready(prof: torch.profiler.profile) -> None:
             self._stop_block_ranges()  # the steps after the recorded ones run without the hooks
             trace(prof)
-            write_summary(prof, table, on_gpu)
+            write_summary(prof, table, on_gpu=on_gpu)
             log.info("profile of micro-steps 3 to %d: %s", 2 + PROFILE_STEPS, table)
 
         schedule = torch.profiler.schedule(wait=1, warmup=1, active=PROFILE_STEPS, repeat=1)

@@ -95,7 +95,7 @@ def new_run_path(name: str) -> Path:
 class RunDir:
     """One run's directory, the same on every rank; rank 0 holds it for the run's life and writes into it."""
 
-    def __init__(self, path: Path, dist: DistEnv, set_aside: bool, hold: Hold | None) -> None:
+    def __init__(self, path: Path, dist: DistEnv, *, set_aside: bool, hold: Hold | None) -> None:
         self.path, self.dist, self.set_aside, self.hold = path, dist, set_aside, hold
         self.started = False
 
@@ -115,19 +115,19 @@ class RunDir:
         return outcome[0], hold
 
     @classmethod
-    def claim(cls, path: Path | None, name: str, dist: DistEnv, resume: bool, overwrite: bool) -> RunDir:
+    def claim(cls, path: Path | None, name: str, dist: DistEnv, *, resume: bool, overwrite: bool) -> RunDir:
         """The directory for this run (a new one by default), held by rank 0; an earlier run in it is set aside
         with ``overwrite``, continued with ``resume``, and otherwise a one-line error."""
         path, hold = cls._hold(path, name, dist)
         try:
-            return cls._claim(path, hold, dist, resume, overwrite)
+            return cls._claim(path, hold, dist, resume=resume, overwrite=overwrite)
         except BaseException:
             if hold is not None:
                 hold.release()
             raise
 
     @classmethod
-    def _claim(cls, path: Path, hold: Hold | None, dist: DistEnv, resume: bool, overwrite: bool) -> RunDir:
+    def _claim(cls, path: Path, hold: Hold | None, dist: DistEnv, *, resume: bool, overwrite: bool) -> RunDir:
         refuse_leftover_set_aside(path)
         earlier = [entry for entry in RUN_FILES if (path / entry).exists()]
         set_aside = bool(earlier) and not resume
@@ -150,7 +150,7 @@ class RunDir:
             handler.setFormatter(logging.getLogger().handlers[0].formatter)
             logging.getLogger().addHandler(handler)
             log.info("run directory %s", path)
-        return cls(path, dist, set_aside, hold)
+        return cls(path, dist, set_aside=set_aside, hold=hold)
 
     def start(self, name: str, cfg: Config, ds_config: dict[str, Any]) -> None:
         """Every rank passed its checks: an earlier run set aside goes for good, and the resolved config is written."""

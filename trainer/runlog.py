@@ -25,7 +25,7 @@ class RunLog:
 
     _JSON_ONLY = ("epoch", "samples", "loss/train_per_rank")
 
-    def __init__(self, run_dir: Path, enabled: bool, resumed_step: int | None = None) -> None:
+    def __init__(self, run_dir: Path, *, enabled: bool, resumed_step: int | None = None) -> None:
         """``resumed_step``: the step a resumed run continues from. What an earlier run logged beyond it (steps done
         again now, after a stop between checkpoints or from an older checkpoint than the newest) leaves
         metrics.jsonl for metrics.abandoned.jsonl, and TensorBoard drops it (its purge step)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as torch_dist
@@ -28,10 +28,34 @@ log = logging.getLogger(__name__)
 PHASES = ("data_wait", "forward", "backward", "optimizer_step")
 
 
+class PhaseClock(Protocol):
+    """Told where each phase begins and ends (the benchmark's timers)."""
+
+    def begin(self, name: str) -> None: ...
+
+    def end(self, name: str) -> None: ...
+
+
+_clock: PhaseClock | None = None
+
+
+@contextlib.contextmanager
+def clocked(clock: PhaseClock) -> Iterator[None]:
+    """Within the block, every ``phase`` tells ``clock`` where it begins and ends."""
+    global _clock
+    previous, _clock = _clock, clock
+    try:
+        yield
+    finally:
+        _clock = previous
+
+
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
-    """A range named ``name`` for torch.profiler and, on a GPU, for NVTX (nsys)."""
-    nvtx = torch.cuda.is_initialized()  # a process that uses its GPU; cheap to ask on every phase
+    """A range named ``name`` for torch.profiler, for NVTX (nsys) on a GPU, and for the clock of ``clocked``."""
+    nvtx, clock = torch.cuda.is_initialized(), _clock  # a process that uses its GPU; cheap to ask on every phase
+    if clock is not None:
+        clock.begin(name)
     with torch.profiler.record_function(name):
         if nvtx:
             torch.cuda.nvtx.range_push(name)
@@ -40,42 +64,37 @@ def phase(name: str) -> Iterator[None]:
         finally:
             if nvtx:
                 torch.cuda.nvtx.range_pop()
+    if clock is not None:
+        clock.end(name)
 
 
 def micro_step(
     engine: Any,
     inputs: torch.Tensor,
     targets: torch.Tensor,
+    *,
     loss_fn: Loss,
     guard: StepGuard | None = None,
     where: Callable[[], str] = lambda: "this step",
-    mark: Callable[[str], None] | None = None,
     after_backward: Callable[[], None] | None = None,
 ) -> torch.Tensor | None:
     """Forward, backward and (at an accumulation boundary, where DeepSpeed counts the micro-steps) the optimizer step.
 
     Between forward and backward the ``guard``, when given, may skip the rest (None is returned: a non-finite loss
-    that every rank agreed to skip); ``where()`` names the step in its messages. ``mark(phase)``, when given, is
-    called as each phase ends (the benchmark's timers). ``after_backward()``, when given, sees the gradients before
-    the optimizer takes them (``trainer.numerics.LearningWatch``). Returns the loss still on the device: reading it
-    here would synchronize every step.
+    that every rank agreed to skip); ``where()`` names the step in its messages. ``after_backward()``, when given,
+    sees the gradients before the optimizer takes them. Returns the loss still on the device: reading it here would
+    synchronize every step.
     """
     with phase("forward"):
         loss = loss_fn(engine(inputs), targets)
-    if guard is not None and not guard.allows(loss, inputs, targets, where):
+    if guard is not None and not guard.allows(loss, inputs, targets, where=where):
         return None
-    if mark is not None:
-        mark("forward")
     with phase("backward"):
         backward(engine, loss)  # engine.backward, with fp16's loss scale applied exactly once
     if after_backward is not None:
         after_backward()
-    if mark is not None:
-        mark("backward")
     with phase("optimizer_step"):
         engine.step()
-    if mark is not None:
-        mark("optimizer")
     return loss.detach()
 
 
@@ -84,7 +103,9 @@ class StepGuard:
     asks: ``every_step``), and a stop request (SIGTERM, SIGUSR1) on any rank, which travels with every agreement and
     makes ``stopping`` true on every rank alike. Each agreement is one small reduction, so one host sync."""
 
-    def __init__(self, cfg: Config, device: torch.device, stop: StopRequest | None, nonfinite_losses: int = 0) -> None:
+    def __init__(
+        self, cfg: Config, device: torch.device, stop: StopRequest | None, *, nonfinite_losses: int = 0
+    ) -> None:
         self.cfg, self.device, self.stop = cfg, device, stop
         self.every_step = cfg.nonfinite_loss != "ignore" or cfg.data_checks == "every_batch"
         self.stopping = False
@@ -99,7 +120,9 @@ class StepGuard:
         self.stopping = self.stopping or stop
         return agreed
 
-    def allows(self, loss: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, where: Callable[[], str]) -> bool:
+    def allows(
+        self, loss: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor, *, where: Callable[[], str]
+    ) -> bool:
         """Whether the micro-step goes on to its backward, where the config checks every micro-step (else always,
         with no sync): a non-finite batch anywhere stops the run (data_checks: every_batch); a non-finite loss
         anywhere skips the micro-step on every rank, or stops the run (``nonfinite_loss``)."""

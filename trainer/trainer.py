@@ -10,6 +10,7 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ from trainer.validation import evaluate, science_scalars
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Interval:
     """Optimizer steps and losses since the last log point; losses stay on the device until then."""
 
@@ -56,6 +57,7 @@ class Interval:
 class Trainer:
     def __init__(
         self,
+        *,
         cfg: Config,
         name: str,
         dist: DistEnv,
@@ -79,6 +81,8 @@ class Trainer:
         # Where training stands: epoch index, micro-batches of it done, and what the summary reports.
         self.epoch, self.batch_in_epoch = 0, 0
         self.initial_val_loss: float | None = None
+        self.val_loss: float | None = None  # the last validation's
+        self.interval = Interval(start=time.perf_counter())  # since the last log point
         nonfinite_losses = 0
         self.resumed_at: tuple[int, int] | None = None
         if resume:
@@ -95,16 +99,23 @@ class Trainer:
             )
 
         # One small collective per micro-step, when asked for: non-finite loss, bad batch, stop request.
-        self.guard = StepGuard(cfg, self.engine.device, stop, nonfinite_losses)
+        self.guard = StepGuard(cfg, self.engine.device, stop, nonfinite_losses=nonfinite_losses)
         # after a resume: from the weights it loaded
         self.watch = LearningWatch(self.engine, self.schedule.lr_at, self.schedule.peak, warn=dist.is_main)
         self.loss_fn = build_loss(cfg)
         micro = self.engine.train_micro_batch_size_per_gpu()
         accumulation = self.engine.gradient_accumulation_steps()
         self.train_loader = self.data.train_loader(
-            dist, micro, accumulation, self.steps_per_epoch, device, self.dtype, self.epoch, self.batch_in_epoch
+            dist,
+            micro,
+            accumulation,
+            steps_per_epoch=self.steps_per_epoch,
+            device=device,
+            dtype=self.dtype,
+            first_epoch=self.epoch,
+            first_batch=self.batch_in_epoch,
         )
-        self.val_loader = self.data.val_loader(dist, micro, device, self.dtype)
+        self.val_loader = self.data.val_loader(dist, micro, device, dtype=self.dtype)
         resumed_step = self.engine.global_steps if resume else None
         self.runlog = RunLog(run_dir, enabled=dist.is_main, resumed_step=resumed_step)
         self.first_batch_digest: str | None = None
@@ -137,7 +148,7 @@ class Trainer:
             "config_name": self.name,
         }
         self.run.check_held()
-        tag = save_checkpoint(self.engine, self.run_dir, state, self.cfg.checkpoint_keep)
+        tag = save_checkpoint(self.engine, self.run_dir, state, keep=self.cfg.checkpoint_keep)
         log.info("checkpoint %s saved", tag)
 
     def _science_metrics(self) -> None:
@@ -170,7 +181,9 @@ class Trainer:
         except torch.OutOfMemoryError as err:
             log.debug("out of memory at %s: %s", self._where(), err)
             micro = self.engine.train_micro_batch_size_per_gpu()
-            raise out_of_memory(err, micro, self.cfg.data_size, device_name(self.device), self._where()) from None
+            raise out_of_memory(
+                err, micro, self.cfg.data_size, device=device_name(self.device), where=self._where()
+            ) from None
 
     def _train(self) -> dict[str, Any]:
         cfg, engine = self.cfg, self.engine
@@ -194,26 +207,16 @@ class Trainer:
 
         if self.profile:
             on_gpu, compiled = self.device.type == "cuda", bool(cfg.compile)
-            self.profiler = StepProfiler(engine.module, self.run_dir / PROFILE, self.dist.rank, on_gpu, compiled)
+            self.profiler = StepProfiler(
+                engine.module, self.run_dir / PROFILE, self.dist.rank, on_gpu=on_gpu, compiled=compiled
+            )
         intervals: list[dict[str, float]] = []
-        val_loss: float | None = None if self.resumed_at else self.initial_val_loss
+        self.val_loss = None if self.resumed_at else self.initial_val_loss
         stopped = False
         show_bar = self.dist.is_main and sys.stderr.isatty()
         with logging_redirect_tqdm():  # log lines print above the progress bar
             while self.epoch < last_epoch and not stopped:
-                stopped = self._train_epoch(intervals, show_bar)
-                if stopped:
-                    break
-                val_loss = evaluate(engine, self.val_loader, self.loss_fn)
-                self.runlog.write(engine.global_steps, epoch=self.epoch + 1, **{"loss/valid": val_loss})
-                log.info("epoch %d/%d: validation loss %.5f", self.epoch + 1, cfg.num_epochs, val_loss)
-                if cfg.science_every_epochs and (self.epoch + 1) % cfg.science_every_epochs == 0:
-                    self._science_metrics()
-                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-                self._save()
-                if self.epoch < last_epoch:
-                    self.guard.agree()
-                stopped = self.guard.stopping
+                stopped = self._train_epoch(intervals, show_bar=show_bar) or self._end_epoch(last_epoch)
         if stopped:
             log.warning(
                 "stopped on request (%s) at step %d after a checkpoint: continue with --resume",
@@ -221,7 +224,8 @@ class Trainer:
                 engine.global_steps,
             )
 
-        summary = self._summary(intervals, val_loss, stopped, time.perf_counter() - wall_start)
+        val_loss = self.val_loss
+        summary = self._summary(intervals, val_loss, stopped=stopped, wall_s=time.perf_counter() - wall_start)
         self.run.write_summary(summary)
         if self.profiler is not None:
             self.profiler.stop()
@@ -232,7 +236,7 @@ class Trainer:
         return summary
 
     def _summary(
-        self, intervals: list[dict[str, float]], val_loss: float | None, stopped: bool, wall_s: float
+        self, intervals: list[dict[str, float]], val_loss: float | None, *, stopped: bool, wall_s: float
     ) -> dict[str, Any]:
         """summary.json: how the run went, what learned, how fast, and what ran where (a collective: every rank)."""
         # The first interval holds start-up work (kernel selection, first batches): not a rate.
@@ -263,54 +267,78 @@ class Trainer:
             **rank_facts(self.engine.module, self.first_batch_digest, self.dist.world_size),
         }
 
-    def _train_epoch(self, intervals: list[dict[str, float]], show_bar: bool) -> bool:
-        """Train the rest of epoch ``self.epoch``; True when stopped on request (after a checkpoint)."""
+    def _train_epoch(self, intervals: list[dict[str, float]], *, show_bar: bool) -> bool:
+        """Train the rest of epoch ``self.epoch``, one optimizer step at a time; True when stopped on request (after
+        a checkpoint). A stop agreed on at the epoch's end comes after its validation and checkpoint."""
         cfg, engine = self.cfg, self.engine
         done_steps = self.batch_in_epoch // engine.gradient_accumulation_steps()
-        bar = tqdm(
-            total=self.steps_per_epoch,
-            initial=done_steps,
-            desc=f"epoch {self.epoch + 1}/{cfg.num_epochs}",
-            disable=not show_bar,
-            leave=False,
-        )
-        interval = Interval(time.perf_counter())
-        batches = iter(self.train_loader)
-        while True:
-            wait_start = time.perf_counter()  # time blocked on the pipeline: what it costs the step
-            try:
-                with phase("data_wait"):
-                    inputs, targets = next(batches)
-            except StopIteration:
-                break
-            interval.data_wait_s += time.perf_counter() - wait_start
-            self.batch_in_epoch += 1
-            if self.first_batch_digest is None:  # once per run: which crops this rank drew
-                self.first_batch_digest = tensor_digest([inputs])
-            step_before = engine.global_steps
-            loss = micro_step(
-                engine, inputs, targets, self.loss_fn, self.guard, self._where, after_backward=self.watch.after_backward
-            )
-            if self.profiler is not None:
-                self.profiler.step()
-            if loss is None:
-                continue  # skipped on every rank alike: no backward, no step for this micro-batch
-            interval.add(loss)
-            if engine.global_steps == step_before:
-                continue  # inside a gradient accumulation
-            interval.steps += 1
+        desc = f"epoch {self.epoch + 1}/{cfg.num_epochs}"
+        bar = tqdm(total=self.steps_per_epoch, initial=done_steps, desc=desc, disable=not show_bar, leave=False)
+        self.interval = Interval(start=time.perf_counter())
+        for _ in self._optimizer_steps():
+            self.interval.steps += 1
             bar.update(1)
             if engine.global_steps % cfg.log_every_steps == 0:
-                intervals.append(self._log_interval(interval, bar))
-                interval = Interval(time.perf_counter())
-            if self.guard.stopping:  # at an optimizer-step boundary, agreed by every rank
+                intervals.append(self._log_interval(self.interval, bar))
+                self.interval = Interval(start=time.perf_counter())
+            if self.guard.stopping:  # agreed by every rank, at this step
                 bar.close()
                 self._save()
                 return True
-        if interval.steps:
-            intervals.append(self._log_interval(interval, bar))
+        if self.interval.steps:
+            intervals.append(self._log_interval(self.interval, bar))
         bar.close()
-        return False  # a stop agreed on by now comes after the epoch's validation and checkpoint
+        return False
+
+    def _end_epoch(self, last_epoch: int) -> bool:
+        """Validation, science metrics where due, and a checkpoint; True where a stop was requested meanwhile."""
+        cfg, engine = self.cfg, self.engine
+        self.val_loss = evaluate(engine, self.val_loader, self.loss_fn)
+        self.runlog.write(engine.global_steps, epoch=self.epoch + 1, **{"loss/valid": self.val_loss})
+        log.info("epoch %d/%d: validation loss %.5f", self.epoch + 1, cfg.num_epochs, self.val_loss)
+        if cfg.science_every_epochs and (self.epoch + 1) % cfg.science_every_epochs == 0:
+            self._science_metrics()
+        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        self._save()
+        if self.epoch < last_epoch:
+            self.guard.agree()
+        return self.guard.stopping
+
+    def _optimizer_steps(self) -> Iterator[None]:
+        """Takes the epoch's optimizer steps, yielding after each: its micro-batches from the loader, each through
+        ``micro_step``, until DeepSpeed's accumulation boundary (a micro-batch skipped for a non-finite loss is
+        not counted, as DeepSpeed does not count it). Losses and waits go to the current ``interval``. Ends with
+        the epoch's batches."""
+        engine, batches = self.engine, iter(self.train_loader)
+        while True:
+            stepped = False
+            while not stepped:
+                wait_start = time.perf_counter()  # time blocked on the pipeline: what it costs the step
+                with phase("data_wait"):
+                    batch = next(batches, None)
+                if batch is None:
+                    return
+                self.interval.data_wait_s += time.perf_counter() - wait_start
+                inputs, targets = batch
+                self.batch_in_epoch += 1
+                if self.first_batch_digest is None:  # once per run: which crops this rank drew
+                    self.first_batch_digest = tensor_digest([inputs])
+                boundary = engine.is_gradient_accumulation_boundary()
+                loss = micro_step(
+                    engine,
+                    inputs,
+                    targets,
+                    loss_fn=self.loss_fn,
+                    guard=self.guard,
+                    where=self._where,
+                    after_backward=self.watch.after_backward,
+                )
+                if self.profiler is not None:
+                    self.profiler.step()
+                if loss is not None:  # None: skipped on every rank alike, no backward, no step
+                    self.interval.add(loss)
+                    stepped = boundary
+            yield
 
     def _log_interval(self, interval: Interval, bar: tqdm) -> dict[str, float]:
         engine = self.engine

@@ -36,7 +36,16 @@ def science_scalars(engine: Any, volumes: VolumePair, cfg: Config) -> dict[str, 
     side = cfg.science_box_size or volumes.nbody.shape[1]
     micro = engine.train_micro_batch_size_per_gpu()
     norm = normalization(cfg, "val")
-    metrics = compare_box(engine.module, volumes.nbody, volumes.hydro, norm, cfg.data_size, micro, engine.device, side)
+    metrics = compare_box(
+        engine.module,
+        volumes.nbody,
+        volumes.hydro,
+        norm=norm,
+        crop=cfg.data_size,
+        batch=micro,
+        device=engine.device,
+        side=side,
+    )
     engine.train()
     scalars = {"science/box_size": float(side)}
     scalars |= {f"science/l1_{name}": value for name, value in metrics["l1"].items()}

@@ -95,7 +95,7 @@ def add_config_options(parser: argparse.ArgumentParser, yaml_path: Path, name: s
         )
 
 
-def config_parser(prog: str, description: str, argv: Sequence[str], usage: str | None = None) -> ArgumentParser:
+def config_parser(prog: str, description: str, argv: Sequence[str], *, usage: str | None = None) -> ArgumentParser:
     """A command's parser with the config options: one-line errors, the reference's renamed options hinted, each
     key's default and the chosen named config's value in --help, which closes with the named configs."""
     yaml_path = Path(_option_in(argv, "--yaml_config") or DEFAULT_YAML)

@@ -194,7 +194,7 @@ def changes_on_resume(saved: dict[str, Any], cfg: Config) -> tuple[dict[str, tup
     return harmless, {k: d for k, d in changed.items() if k not in RESUMABLE}
 
 
-def resumed_config(saved: dict[str, Any], overrides: dict[str, str], allow_change: bool) -> tuple[str, Config]:
+def resumed_config(saved: dict[str, Any], overrides: dict[str, str], *, allow_change: bool) -> tuple[str, Config]:
     """The name and config of a run to resume, from what it recorded (``saved``) with ``overrides`` on top: settings
     that change the training are refused unless ``allow_change``; every change is logged."""
     cfg = build_config(saved["config"], overrides)

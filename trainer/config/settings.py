@@ -40,7 +40,7 @@ def _field(
     return field(default=default, metadata=metadata)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LRSchedule:
     scaling: Literal["sqrt", "linear", "none"] = _field(
         "sqrt", "scale start_lr by sqrt (or linear, or none) of global_batch_size / base_batch_size"
@@ -58,7 +58,7 @@ class WeightInit:
     conv_bias: float | None = _field(0.0, "value of the conv biases (null: keep PyTorch's init)")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Config:
     description: str = _field("", "one line saying what a named config is for (--help lists them)", resumable=True)
     # Data
