@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from bench.cases import rate_summary, rounds
 from bench.env import REPO, append_records, environment, read_records
 from common.cli import ArgumentParser, existing_file, output_file
 from pipeline.convert import convert
@@ -185,38 +186,31 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     f"python -m bench.pipeline: error: no case {', '.join(unknown)} here ({', '.join(cases)})"
                 )
             cases = {case: make for case, make in cases.items() if case in args.cases}
-        # Repeats go round all cases, so that drift on a shared machine spreads over every case alike.
         results: dict[str, list[dict[str, float]]] = {case: [] for case in cases}
-        for repeat in range(args.repeats):
-            for case, make in cases.items():
-                batches = make()
-                results[case].append(_time_batches(batches, args.warmup, args.batches, device=device, batch=args.batch))
-                batches.close()  # its work ahead must not overlap the next case's timing
-                print(
-                    f"crop {crop}^3, {case}, repeat {repeat + 1}: {results[case][-1]['samples_per_s']:.1f} samples/s",
-                    flush=True,
-                )
-                rates = [r["samples_per_s"] for r in results[case]]
-                backend, _, storage = case.partition("-")
-                records.append(
-                    {
-                        "bench": "pipeline",
-                        "case": case,
-                        "backend": backend,
-                        "storage": storage or "lazy",
-                        "crop": crop,
-                        "batch": args.batch,
-                        "threads": args.threads,
-                        "dtype": str(dtype).removeprefix("torch."),
-                        "box": volumes.box_size,
-                        "repeats": len(rates),
-                        "samples_per_s": statistics.median(rates),
-                        "samples_per_s_min": min(rates),
-                        "samples_per_s_max": max(rates),
-                        **env,
-                    }
-                )
-                append_records(args.out, records[-1:])
+        for repeat, case in rounds(list(cases), args.repeats):
+            batches = cases[case]()
+            results[case].append(_time_batches(batches, args.warmup, args.batches, device=device, batch=args.batch))
+            batches.close()  # its work ahead must not overlap the next case's timing
+            rate = results[case][-1]["samples_per_s"]
+            print(f"crop {crop}^3, {case}, repeat {repeat + 1}: {rate:.1f} samples/s", flush=True)
+            backend, _, storage = case.partition("-")
+            records.append(
+                {
+                    "bench": "pipeline",
+                    "case": case,
+                    "backend": backend,
+                    "storage": storage or "lazy",
+                    "crop": crop,
+                    "batch": args.batch,
+                    "threads": args.threads,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "box": volumes.box_size,
+                    "repeats": len(results[case]),
+                    **rate_summary([r["samples_per_s"] for r in results[case]]),
+                    **env,
+                }
+            )
+            append_records(args.out, records[-1:])
     return records
 
 

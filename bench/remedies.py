@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.cases import launch
 from bench.env import REPO, append_records, environment, read_records
 from common.cli import ArgumentParser, output_file
 from trainer.config import load_named
@@ -44,9 +44,9 @@ def arm_options(arm: str) -> list[str]:
 
 
 def _run(command: list[str]) -> None:
-    result = subprocess.run(command, cwd=REPO)
-    if result.returncode != 0:
-        sys.exit(f"failed (exit status {result.returncode}): {' '.join(command)}")
+    launched = launch(command, capture=False)
+    if launched.returncode != 0:
+        sys.exit(f"failed (exit status {launched.returncode}): {' '.join(command)}")
 
 
 def run_arm(config: str, arm: str, seed: int, *, out_dir: Path, val_path: str) -> dict[str, Any]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.cases import launch
 from bench.env import REPO, append_records, environment, read_records
 from common.cli import ArgumentParser, existing_dir, output_file
 from trainer.rundir import CONFIG, METRICS
@@ -75,12 +75,8 @@ def main(argv: list[str] | None = None) -> None:
             "--run_dir",
             str(run_dir),
         ]
-        proc = subprocess.Popen(cmd, cwd=REPO)
-        try:
-            code = proc.wait(timeout=args.minutes * 60)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the run checkpoints at its next step and exits 75
-            code = proc.wait()
+        # past its time the run gets SIGTERM: it checkpoints at its next step and exits 75
+        code = launch(cmd, timeout_s=args.minutes * 60, capture=False, stop=signal.SIGTERM).returncode
         if code not in (0, 75):
             sys.exit(f"the soak run failed (exit status {code}): its output above says why")
     saved = json.loads((run_dir / CONFIG).read_text()) if (run_dir / CONFIG).exists() else {}

@@ -16,65 +16,41 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 
-from bench.env import REPO
+from bench.cases import PRECISIONS, TrainCase, bf16_supported, launch, rounds
 from bench.train import RESULTS, parse_args
 from common.cli import ArgumentParser, output_file
 from pipeline.loaders import dali_installed, resolve_backend
 from pipeline.synthetic import ensure_boxes
 from trainer.build import engine_config
-from trainer.config import Config, parse_value
-from trainer.engine import merge_settings, plan_batches
+from trainer.config import Config
+from trainer.engine import plan_batches
 from trainer.errors import ConfigError
 from trainer.fused_adam import TORCH_FUSED_ADAM
 
-PRECISION_JSON = {
-    "fp32": "ds_configs/ds_fp32.json",
-    "bf16": "ds_configs/ds_bf16.json",
-    "fp16": "ds_configs/ds_fp16.json",
-}
 
-
-@dataclass(kw_only=True)
-class SweepRun:
-    sweep: str
-    label: str
-    ranks: int
-    modes: list[str]
-    options: list[str] = field(default_factory=list)
-    repeat: int = 0
-
-
-def interleave_repeats(cases: list[SweepRun], sweeps: tuple[str, ...], repeats: int) -> list[SweepRun]:
-    """Repeat the cases of ``sweeps``, round after round (1, 2, 1, 2 ranks...), so that drift on a shared
-    machine falls on every case alike; the report takes the median per case."""
+def interleave_repeats(cases: list[TrainCase], sweeps: tuple[str, ...], repeats: int) -> list[TrainCase]:
+    """Repeat the cases of ``sweeps`` in rounds (1, 2, 1, 2 ranks...); the report takes the median per case."""
     once = [c for c in cases if c.sweep not in sweeps]
-    repeated = [c for c in cases if c.sweep in sweeps]
-    rounds = [
-        SweepRun(sweep=c.sweep, label=c.label, ranks=c.ranks, modes=c.modes, options=c.options, repeat=r)
-        for r in range(repeats)
-        for c in repeated
-    ]
-    return once + rounds
+    return once + [replace(c, repeat=r) for r, c in rounds([c for c in cases if c.sweep in sweeps], repeats)]
 
 
 def _batch(micro: int, ranks: int) -> list[str]:
     return ["--global_batch_size", str(micro * ranks), "--base_batch_size", str(micro * ranks)]
 
 
-def cpu_smoke(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
+def cpu_smoke(max_ranks: int) -> tuple[list[str], list[TrainCase]]:
     """The debug model on this machine's cores; scaling runs with one thread per rank."""
-    base = ["--config", "debug", "--deepspeed_config", PRECISION_JSON["fp32"]]
+    base = ["--config", "debug", "--deepspeed_config", PRECISIONS["fp32"].json]
     one_thread = ["--cpu_threads", "1", "--num_data_workers", "1"]
     rounds = ["--rounds", "3"]  # the engine and the plain loop in turn: the ratio sees no drift between them
     cases = [
-        SweepRun(
+        TrainCase(
             sweep="baseline",
             label="micro 8",
             ranks=1,
@@ -83,16 +59,16 @@ def cpu_smoke(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
         )
     ]
     cases += [
-        SweepRun(sweep="micro-batch", label=f"micro {m}", ranks=1, modes=["synthetic"], options=_batch(m, 1))
+        TrainCase(sweep="micro-batch", label=f"micro {m}", ranks=1, modes=["synthetic"], options=_batch(m, 1))
         for m in (2, 4, 8, 16)
     ]
     cases += [
-        SweepRun(
+        TrainCase(
             sweep="precision",
             label="bf16",
             ranks=1,
             modes=["synthetic", "plain"],
-            options=_batch(8, 1) + rounds + ["--deepspeed_config", PRECISION_JSON["bf16"]],
+            options=_batch(8, 1) + rounds + ["--deepspeed_config", PRECISIONS["bf16"].json],
         )
     ]
     # Scaling at micro-batch 16, where one rank's throughput saturates (the micro-batch sweep); the
@@ -100,7 +76,7 @@ def cpu_smoke(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
     ranks = [n for n in (1, 2, 4, 8) if n <= max_ranks]
     # The plain loop runs too: DDP overlaps its all-reduce with backward, ZeRO stage 0 does not.
     cases += [
-        SweepRun(
+        TrainCase(
             sweep="weak",
             label=f"{n} rank(s), micro 16",
             ranks=n,
@@ -110,7 +86,7 @@ def cpu_smoke(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
         for n in ranks
     ]
     cases += [
-        SweepRun(
+        TrainCase(
             sweep="strong",
             label=f"{n} rank(s), global 32",
             ranks=n,
@@ -122,7 +98,7 @@ def cpu_smoke(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
     return base, cases
 
 
-def gpu(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
+def gpu(max_ranks: int) -> tuple[list[str], list[TrainCase]]:
     """The reference model at 64^3 on GPUs: batch 64 per GPU, fp16 unless the case says otherwise."""
     base = [
         "--config",
@@ -141,7 +117,7 @@ def gpu(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
         "256",
     ]
     cases = [
-        SweepRun(
+        TrainCase(
             sweep="baseline",
             label="micro 64",
             ranks=1,
@@ -150,22 +126,22 @@ def gpu(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
         )
     ]
     cases += [
-        SweepRun(sweep="micro-batch", label=f"micro {m}", ranks=1, modes=["synthetic"], options=_batch(m, 1))
+        TrainCase(sweep="micro-batch", label=f"micro {m}", ranks=1, modes=["synthetic"], options=_batch(m, 1))
         for m in (16, 32, 64, 128)
     ]
     cases += [
-        SweepRun(
+        TrainCase(
             sweep="precision",
             label=p,
             ranks=1,
             modes=["synthetic", "plain"],
-            options=_batch(64, 1) + ["--rounds", "3", "--deepspeed_config", PRECISION_JSON[p]],
+            options=_batch(64, 1) + ["--rounds", "3", "--deepspeed_config", PRECISIONS[p].json],
         )
         for p in ("fp32", "bf16")
     ]
     ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
     cases += [
-        SweepRun(
+        TrainCase(
             sweep="weak",
             label=f"{n} rank(s), micro 64",
             ranks=n,
@@ -175,7 +151,7 @@ def gpu(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
         for n in ranks
     ]
     cases += [
-        SweepRun(
+        TrainCase(
             sweep="strong",
             label=f"{n} rank(s), global 512",
             ranks=n,
@@ -223,7 +199,7 @@ TRIED_LAST = {
 HEADLINE = ["--channels_last", "true", "--cudnn_benchmark", "true"]
 
 
-def gpu_speed(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
+def gpu_speed(max_ranks: int) -> tuple[list[str], list[TrainCase]]:
     """One GPU, the reference model at 64^3, batch 64: the headline (sweep "headline"), then fp16 and bf16 with each
     fast path off and on (sweep "speed")."""
     base, _ = gpu(max_ranks)
@@ -231,9 +207,11 @@ def gpu_speed(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
 
     def case(
         precision: str, what: str, switches: list[str], *, sweep: str = "speed", modes=("synthetic", "full")
-    ) -> SweepRun:
-        common = _batch(64, 1) + ["--deepspeed_config", PRECISION_JSON[precision], "--warmup", "10"] + PLAIN_PATH
-        return SweepRun(sweep=sweep, label=f"{precision} {what}", ranks=1, modes=list(modes), options=common + switches)
+    ) -> TrainCase:
+        common = _batch(64, 1) + ["--deepspeed_config", PRECISIONS[precision].json, "--warmup", "10"] + PLAIN_PATH
+        return TrainCase(
+            sweep=sweep, label=f"{precision} {what}", ranks=1, modes=list(modes), options=common + switches
+        )
 
     headline = [
         case(
@@ -263,14 +241,14 @@ ZERO2_SETTINGS = {
 }
 
 
-def gpu_comm(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
+def gpu_comm(max_ranks: int) -> tuple[list[str], list[TrainCase]]:
     """Weak scaling with ZeRO stage 0 (all-reduce after backward), 1 and 2 (overlapped reduction); then, at the
     most ranks, ZeRO 2's bucket sizes and overlap against ds_fp16_zero2.json's own (5e7, overlapped)."""
     base, _ = gpu(max_ranks)
     ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
     configs = {0: "ds_configs/ds_fp16.json", 1: "ds_configs/ds_fp16_zero1.json", 2: "ds_configs/ds_fp16_zero2.json"}
     cases = [
-        SweepRun(
+        TrainCase(
             sweep=f"weak-zero{stage}",
             label=f"{n} rank(s), micro 64, ZeRO {stage}",
             ranks=n,
@@ -284,7 +262,7 @@ def gpu_comm(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
     if n > 1:
         zero2 = _batch(64, n) + ["--deepspeed_config", configs[2], "--deepspeed_overrides"]
         cases += [
-            SweepRun(
+            TrainCase(
                 sweep="zero2-settings",
                 label=f"{n} rank(s), micro 64, ZeRO 2, {name}",
                 ranks=n,
@@ -299,68 +277,14 @@ def gpu_comm(max_ranks: int) -> tuple[list[str], list[SweepRun]]:
 PRESETS = {"cpu-smoke": cpu_smoke, "gpu": gpu, "gpu-speed": gpu_speed, "gpu-comm": gpu_comm}
 
 
-def command(case: SweepRun, launcher: str, ranks_per_node: int) -> list[str]:
-    if case.ranks == 1 and launcher != "srun":
-        return [sys.executable, "-m", "bench.train"]
-    if launcher == "srun":
-        nodes = -(-case.ranks // ranks_per_node)
-        return [
-            "srun",
-            "--kill-on-bad-exit=1",
-            f"--ntasks={case.ranks}",
-            f"--nodes={nodes}",
-            sys.executable,
-            "-m",
-            "bench.train",
-        ]
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(case.ranks), "--module", "bench.train"]
-
-
-def merge_overrides(options: list[str]) -> list[str]:
-    """``options`` with their --deepspeed_overrides merged into one, the later ones winning key by key: a case's
-    own settings (a ZeRO bucket size) and the user's (the optimizer, say) both hold."""
-    rest, merged, found = [], {}, False
-    options = iter(options)
-    for option in options:
-        if option != "--deepspeed_overrides":
-            rest.append(option)
-            continue
-        value, found = parse_value(next(options, "")), True
-        if not isinstance(value, dict):
-            sys.exit(f"--deepspeed_overrides must be a mapping, got {value!r}")
-        merged = merge_settings(merged, value)
-    return rest + (["--deepspeed_overrides", json.dumps(merged)] if found else [])
-
-
-def train_options(base: list[str], case: SweepRun, args: argparse.Namespace, *, run_id: str) -> list[str]:
-    """The options of ``python -m bench.train`` for one case of a sweep."""
-    # The case's own options override the sweep's (more warm-up to compile, say); the user's override both.
-    return merge_overrides(
-        [
-            *base,
-            "--modes",
-            *case.modes,
-            "--steps",
-            str(args.steps),
-            "--warmup",
-            str(args.warmup),
-            "--sweep",
-            case.sweep,
-            "--case",
-            case.label,
-            "--run_id",
-            run_id,
-            "--repeat",
-            str(case.repeat),
-            "--out",
-            str(args.out),
-            *case.options,
-            *args.train_options,
-        ]
+def train_options(base: list[str], case: TrainCase, args: argparse.Namespace, *, run_id: str) -> list[str]:
+    """The options of ``python -m bench.train`` for one case of a sweep: the user's override the case's."""
+    return case.train_options(
+        base, steps=args.steps, warmup=args.warmup, run_id=run_id, out=str(args.out), extra=args.train_options
     )
 
 
-def check_cases(base: list[str], cases: list[SweepRun], args: argparse.Namespace, *, device_type: str) -> list[tuple]:
+def check_cases(base: list[str], cases: list[TrainCase], args: argparse.Namespace, *, device_type: str) -> list[tuple]:
     """Every case makes a valid run on ``device_type`` (its options, its batches over its ranks, its DeepSpeed
     JSON, DALI where its crops need it), checked before the first one starts, so that a typo costs seconds, not an
     allocation.
@@ -421,11 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     base, cases = PRESETS[args.preset](args.max_ranks)
     if args.preset.startswith("gpu") and not torch.cuda.is_available():
         parser.error(f"the {args.preset} preset needs a GPU")
-    if not torch.cuda.is_available() and any(c.label == "bf16" for c in cases):
-        from deepspeed.accelerator import get_accelerator
-
-        if not get_accelerator().is_bf16_supported():
-            cases = [c for c in cases if c.label != "bf16"]
+    if not torch.cuda.is_available() and not bf16_supported("cpu"):
+        cases = [c for c in cases if c.label != "bf16"]
     compared = tuple(sorted({c.sweep for c in cases if c.sweep.startswith(("weak", "strong", "zero2-settings"))}))
     cases = interleave_repeats(cases, compared, args.scaling_repeats)
     cases = [c for c in cases if not args.only or c.sweep in args.only]
@@ -434,12 +355,12 @@ def main(argv: list[str] | None = None) -> None:
     run_id = args.run_id or time.strftime("%Y%m%dT%H%M%S")
     failures = []
     for case in cases:
-        cmd = [*command(case, args.launcher, args.ranks_per_node), *train_options(base, case, args, run_id=run_id)]
+        starter = case.launcher(launcher=args.launcher, ranks_per_node=args.ranks_per_node)
         print(f"[{case.sweep}] {case.label} (run {case.repeat + 1}): {' '.join(case.modes)}", flush=True)
-        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        if result.returncode != 0:
+        launched = launch([*starter, *train_options(base, case, args, run_id=run_id)])
+        if launched.returncode != 0:
             failures.append(case.label)
-            print(result.stderr[-3000:], file=sys.stderr)
+            print(launched.stderr[-3000:], file=sys.stderr)
     if not args.no_report:
         from bench.report import main as report
 

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
+from bench.cases import rate_summary
+from bench.cases import rounds as harness_rounds
 from bench.env import REPO, append_records, environment
 from bench.flops import model_flops, utilization
 from common.cli import output_file
@@ -230,14 +232,12 @@ class TrainBench:
             steppers["plain"] = self.plain()
         results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
         peak_gib: dict[str, float] = {}
-        for _ in range(rounds):
-            for mode in modes:
-                if self.cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                results[mode].append(timed(steppers[mode], warmup, steps, cuda=self.cuda))
-                peak_gib[mode] = max(
-                    peak_gib.get(mode, 0.0), torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0
-                )
+        for _, mode in harness_rounds(modes, rounds):
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats()
+            results[mode].append(timed(steppers[mode], warmup, steps, cuda=self.cuda))
+            peak = torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0
+            peak_gib[mode] = max(peak_gib.get(mode, 0.0), peak)
         return {mode: self._summarize(runs, steps, peak_gib[mode]) for mode, runs in results.items()}
 
     def _summarize(self, runs: list[dict[str, Any]], steps: int, device_peak_gib: float) -> dict[str, Any]:
@@ -247,9 +247,7 @@ class TrainBench:
         record: dict[str, Any] = {
             "rounds": len(runs),
             "wall_s": sum(run["wall_s"] for run in runs),
-            "samples_per_s": statistics.median(rates),
-            "samples_per_s_min": min(rates),
-            "samples_per_s_max": max(rates),
+            **rate_summary(rates),
             "data_wait_pct": statistics.median(run["data_wait_pct"] for run in runs),
             **percentiles(step_ms, "step_ms"),
         }

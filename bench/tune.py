@@ -3,57 +3,35 @@
     python -m bench.tune --config debug --budget_s 900              # writes debug_tuned.yaml (+ .json)
     python ds_train.py --yaml_config debug_tuned.yaml --config debug_tuned
 
-Each candidate is a run of ``python -m bench.train --modes full`` (the real data path, its warm-up discarded) in a
-process of its own, so that a candidate that runs out of memory or fails costs that candidate only. The search is
-greedy, one group of settings at a time, each candidate measured against the settings chosen so far in
-interleaved rounds (a, b, c, a, b, c) whose median counts:
-
-1. ``micro_batch_size``: the divisors of the per-rank batch, largest first, with gradient accumulation keeping the
-   global batch (on a GPU the largest that fits: those that run out of memory are recorded and skipped);
-2. precision: fp32, bf16 and fp16 where the device has them (bf16 and fp16 as DeepSpeed overrides of the config's
-   JSON, which keeps its optimizer and ZeRO settings);
-3. on a CPU, torch threads per rank, then data threads; on a GPU, the fast paths (channels-last, cuDNN autotuning
-   and its timing of every algorithm, torch.compile) one at a time, and with several ranks the ZeRO stage;
-4. storage (lazy, host, device) and backend (torch, DALI where installed).
-
-A setting replaces the one chosen so far only when it is faster by more than ``--margin`` (3% by default), so that
-noise does not change a config. The recipe never changes: global batch, learning-rate schedule, model, data and
-loss are the named config's (checked before the file is written). The last round measures the named config and the
-tuned one in turn; where the tuned one is not faster, the named config's settings are written. The tuned config is
-written as ``NAME_tuned`` in ``--out`` with its candidates' samples/s in comments, and every candidate's record in
-the companion JSON (``--out`` with .json): samples/s per round, and why the losers lost (slower, failed, out of
-memory, not available here, not measured within the budget). Where no candidate was measured at all (a budget
-shorter than one run, or every run failed) nothing is written: one error line says why, and the exit status is 1.
+Each candidate is a ``bench.train --modes full`` run in a process of its own, measured against the settings chosen so
+far in interleaved rounds; only the config's tunable keys change, never its recipe. docs/benchmarks.md (Tuning a
+config) tells the stages, the margin, the budget and what is written.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from argparse import Namespace
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from bench.env import REPO, environment, read_records
-from bench.sweep import SweepRun, command
+from bench.cases import Launched, TrainCase, launch, rounds
+from bench.env import environment, read_records
+from bench.tune_stages import STAGES, Candidate
 from common.cli import ArgumentParser, output_file
 from common.files import write_text_atomically
 from common.hold import HeldError, hold_file
-from pipeline.loaders import dali_installed, resolve_backend
 from trainer.config import (
+    RECIPE,
+    TUNABLE,
     Config,
     build_config,
-    channels_last_on,
     config_parser,
     load_named,
     parse_config_options,
@@ -62,73 +40,6 @@ from trainer.config import (
 )
 from trainer.engine import load_ds_template, merge_settings
 from trainer.errors import ConfigError
-
-# The keys a tuned config may change: how the work is done, never what is computed.
-TUNABLE = (
-    "micro_batch_size",
-    "deepspeed_overrides",
-    "cpu_threads",
-    "num_data_workers",
-    "storage",
-    "backend",
-    "channels_last",
-    "cudnn_benchmark",
-    "cudnn_benchmark_limit",
-    "compile",
-    "compile_mode",
-)
-# The recipe: what a tuned config must keep (compared on the resolved configs before writing).
-RECIPE = (
-    "global_batch_size",
-    "base_batch_size",
-    "lr_schedule",
-    "num_epochs",
-    "Nsamples",
-    "Nsamples_val",
-    "data_size",
-    "unet_width",
-    "unet_depth",
-    "weight_init",
-    "lambda_rho",
-    "lambda_pk",
-    "seed",
-    "train_path",
-    "val_path",
-)
-PRECISIONS = {
-    "fp32": {"fp16": {"enabled": False}, "bf16": {"enabled": False}},
-    "bf16": {"fp16": {"enabled": False}, "bf16": {"enabled": True}},
-    # fp16 takes ds_fp16.json's loss-scaling settings
-    "fp16": {"fp16": load_ds_template(REPO / "ds_configs" / "ds_fp16.json")["fp16"], "bf16": {"enabled": False}},
-}
-STAGES = ("micro_batch", "precision", "threads", "data_threads", "fast_paths", "zero", "storage", "backend")
-
-
-@dataclass(kw_only=True)
-class Candidate:
-    stage: str
-    label: str
-    settings: dict[str, Any]  # config keys set on top of the settings chosen so far
-    rates: list[float] = field(default_factory=list)
-    status: str = "pending"  # measured, failed, out of memory, not available here, not measured
-    reason: str = ""
-    wall_s: float = 0.0
-
-    @property
-    def median(self) -> float | None:
-        return statistics.median(self.rates) if self.rates else None
-
-    def record(self) -> dict[str, Any]:
-        return {
-            "stage": self.stage,
-            "label": self.label,
-            "settings": self.settings,
-            "samples_per_s": self.median,
-            "samples_per_s_runs": self.rates,
-            "status": self.status,
-            "reason": self.reason,
-            "wall_s": round(self.wall_s, 1),
-        }
 
 
 def apply_settings(raw: dict[str, Any], *settings: dict[str, Any]) -> dict[str, Any]:
@@ -140,20 +51,6 @@ def apply_settings(raw: dict[str, Any], *settings: dict[str, Any]) -> dict[str, 
         for key, value in each.items():
             merged[key] = merge_settings(merged.get(key) or {}, value) if key == "deepspeed_overrides" else value
     return merged
-
-
-def _precision(ds_config: dict[str, Any]) -> str:
-    if ds_config.get("fp16", {}).get("enabled"):
-        return "fp16"
-    return "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
-
-
-def _bf16_supported(device_type: str) -> bool:
-    if device_type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    from deepspeed.accelerator import get_accelerator
-
-    return bool(get_accelerator().is_bf16_supported())
 
 
 class Tuner:
@@ -175,95 +72,11 @@ class Tuner:
         self.longest_run_s = 0.0
         self.final_rounds = max(args.repeats, 2)
 
-    # -- the settings of each stage ------------------------------------------------------------------------
     def stage_candidates(self, stage: str) -> list[Candidate] | str:
         """The stage's candidates, the settings chosen so far among them (as no settings), or why the stage does not
         apply here."""
-        cfg, gpu, ranks = self.current(), self.device_type == "cuda", self.args.ranks
-        template = load_ds_template(cfg.deepspeed_config, cfg.deepspeed_overrides)
-
-        def options(key: str, values: list[Any], now: Any, *, label: str, setting=lambda v: v) -> list[Candidate]:
-            return [
-                Candidate(stage=stage, label=label.format(v), settings={} if v == now else {key: setting(v)})
-                for v in values
-            ]
-
-        if stage == "micro_batch":
-            per_rank = cfg.global_batch_size // ranks
-            sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0][: self.args.micro_batches]
-            now = cfg.micro_batch_size or per_rank
-            return [
-                Candidate(
-                    stage=stage,
-                    label=f"micro {m} x accumulation {per_rank // m}",
-                    settings={} if m == now else {"micro_batch_size": m},
-                )
-                for m in sorted(set(sizes) | {now}, reverse=True)
-            ]
-        if stage == "precision":
-            found = options(
-                "deepspeed_overrides", list(PRECISIONS), _precision(template), label="{}", setting=PRECISIONS.get
-            )
-            for c in found:
-                if c.label == "fp16" and not gpu:
-                    c.status, c.reason = "not available here", "fp16 training needs a GPU (DeepSpeed's CPU accelerator)"
-                elif c.label == "bf16" and not _bf16_supported(self.device_type):
-                    c.status, c.reason = "not available here", f"this {self.device_type} has no bf16 support"
-            return found
-        if stage == "threads":
-            if gpu:
-                return "on a GPU the threads do not bound the step"
-            cores = max(1, len(os.sched_getaffinity(0)) // ranks)
-            now = cfg.cpu_threads or cores
-            return options(
-                "cpu_threads", sorted({cores, max(1, cores // 2), now}, reverse=True), now, label="{} torch threads"
-            )
-        if stage == "data_threads":
-            if cfg.storage == "device":
-                return "with storage device the crops are cut by the training device, not by data threads"
-            now = cfg.num_data_workers
-            return options("num_data_workers", sorted({1, 2, 4, now}), now, label="{} data threads")
-        if stage == "fast_paths":
-            if not gpu:
-                return "channels-last, cuDNN autotuning and torch.compile are GPU fast paths"
-            found = [Candidate(stage=stage, label="as chosen so far", settings={})]
-            # what each switch is on a GPU now (null: channels_last and cudnn_benchmark on), then its opposite
-            now = {
-                "channels_last": channels_last_on(cfg, "cuda"),
-                "cudnn_benchmark": cfg.cudnn_benchmark is not False,
-                "compile": cfg.compile,
-            }
-            for key, value in now.items():
-                found.append(Candidate(stage=stage, label=f"{key} {not value}", settings={key: not value}))
-            if now["cudnn_benchmark"] and cfg.cudnn_benchmark_limit != 0:  # cuDNN times every algorithm it has
-                found.append(
-                    Candidate(stage=stage, label="cudnn_benchmark_limit 0", settings={"cudnn_benchmark_limit": 0})
-                )
-            return found
-        if stage == "zero":
-            if not gpu or ranks == 1:
-                return "ZeRO partitions state across ranks: tuned with several GPU ranks only"
-            now = template.get("zero_optimization", {}).get("stage", 0)
-            return options(
-                "deepspeed_overrides",
-                [0, 1, 2],
-                now,
-                label="ZeRO {}",
-                setting=lambda v: {"zero_optimization": {"stage": v}},
-            )
-        if stage == "storage":
-            return options("storage", ["lazy", "host", "device"], cfg.storage, label="storage {}")
-        if stage == "backend":
-            found = options(
-                "backend",
-                ["torch", "dali"],
-                resolve_backend(cfg.backend, self.device_type, cfg.storage),
-                label="backend {}",
-            )
-            if not dali_installed():
-                found[1].status, found[1].reason = "not available here", "NVIDIA DALI is not installed"
-            return found
-        raise ValueError(stage)
+        cfg = self.current()
+        return STAGES[stage](self, cfg, load_ds_template(cfg.deepspeed_config, cfg.deepspeed_overrides))
 
     def current(self, extra: dict[str, Any] | None = None) -> Config:
         return build_config(self.mapping(extra), {})
@@ -273,23 +86,18 @@ class Tuner:
         return apply_settings(self.raw, self.chosen, extra or {})
 
     # -- measuring ----------------------------------------------------------------------------------------------
-    def options(self, c: Candidate, round_: int) -> list[str]:
+    def case(self, c: Candidate, round_: int) -> tuple[TrainCase, list[str]]:
+        """The candidate's run of bench.train (its tunable settings as options) and that run's options."""
         mapping = self.mapping(c.settings)
-        overrides = []
-        for key in TUNABLE:
-            if key in mapping:
-                overrides += [f"--{key}", json.dumps(mapping[key])]
-        return [
-            *["--yaml_config", str(self.named), "--config", self.args.config],
-            *["--modes", "full", "--steps", str(self.args.steps), "--warmup", str(self.warmup(mapping))],
-            *["--sweep", "tune", "--case", f"{c.stage}: {c.label}", "--run_id", self.run_id],
-            *["--repeat", str(round_), "--out", str(self.results)],
-            *overrides,
-        ]
-
-    def warmup(self, mapping: dict[str, Any]) -> int:
-        # torch.compile compiles in its first steps: they are not the speed it trains at
-        return max(self.args.warmup, 10) if mapping.get("compile") else self.args.warmup
+        overrides = [item for key in TUNABLE if key in mapping for item in (f"--{key}", json.dumps(mapping[key]))]
+        case = TrainCase(
+            sweep="tune", label=f"{c.stage}: {c.label}", ranks=self.args.ranks, options=overrides, repeat=round_
+        )
+        base = ["--yaml_config", str(self.named), "--config", self.args.config]
+        warmup = max(self.args.warmup, 10) if mapping.get("compile") else self.args.warmup  # compiling is not speed
+        return case, case.train_options(
+            base, steps=self.args.steps, warmup=warmup, run_id=self.run_id, out=str(self.results)
+        )
 
     def run(self, c: Candidate, round_: int) -> None:
         # The stages leave the final comparison its runs: two configs, their rounds, at the longest run seen.
@@ -301,40 +109,21 @@ class Tuner:
                 ", what was left kept for the final comparison" if reserve else ""
             )
             return
-        cmd = [
-            *command(
-                SweepRun(sweep="tune", label=c.label, ranks=self.args.ranks, modes=["full"]),
-                "deepspeed",
-                self.args.ranks,
-            )
-        ]
-        cmd += self.options(c, round_)
+        case, options = self.case(c, round_)
         print(f"[{c.stage}] {c.label} (round {round_ + 1})", flush=True)
-        start = time.monotonic()
-        # a session of its own: the launcher's ranks stop with it when the budget runs out
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
-        try:
-            stdout, stderr = proc.communicate(timeout=remaining)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            c.wall_s += time.monotonic() - start
+        launched = launch([*case.launcher(ranks_per_node=self.args.ranks), *options], timeout_s=remaining)
+        c.wall_s += launched.wall_s
+        if launched.timed_out:
             c.status, c.reason = "not measured", f"the budget ({self.args.budget_s:g} s) ran out during its run"
             return
-        result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-        elapsed = time.monotonic() - start
-        c.wall_s += elapsed
-        self.longest_run_s = max(self.longest_run_s, elapsed)
-        case = f"{c.stage}: {c.label}"
+        self.longest_run_s = max(self.longest_run_s, launched.wall_s)
         records = [
             r
             for r in (read_records(self.results) if self.results.exists() else [])
-            if r.get("run_id") == self.run_id and r.get("case") == case and r.get("repeat") == round_
+            if r.get("run_id") == self.run_id and r.get("case") == case.label and r.get("repeat") == round_
         ]
-        if result.returncode != 0 or not records:
-            c.status, c.reason = _failure(result)
+        if launched.returncode != 0 or not records:
+            c.status, c.reason = _failure(launched)
             return
         c.rates.append(records[-1]["samples_per_s"])
         c.status = "measured"
@@ -351,11 +140,13 @@ class Tuner:
         if not any(c.settings == {} for c in found):
             found.insert(0, Candidate(stage=stage, label="as chosen so far", settings={}))
         self.candidates += found
-        for round_ in range(self.args.repeats):
-            for c in found:
-                if c.status in ("pending", "measured"):
-                    self.run(c, round_)
+        self.measure(found, self.args.repeats)
         self.decide(found)
+
+    def measure(self, found: list[Candidate], repeats: int) -> None:
+        for round_, c in rounds(found, repeats):
+            if c.status in ("pending", "measured"):
+                self.run(c, round_)
 
     def decide(self, found: list[Candidate]) -> None:
         """The fastest measured candidate becomes the settings chosen so far, if faster by more than the margin."""
@@ -387,10 +178,7 @@ class Tuner:
         tuned = Candidate(stage="final", label="tuned config", settings=tuned_settings) if tuned_settings else original
         measured = [original] if tuned is original else [original, tuned]
         self.candidates += measured
-        for round_ in range(self.final_rounds):
-            for c in measured:
-                if c.status in ("pending", "measured"):
-                    self.run(c, round_)
+        self.measure(measured, self.final_rounds)
         if tuned is original:
             if original.median is not None:
                 original.status, original.reason = "chosen", "no setting was measured faster: the named config's own"
@@ -406,13 +194,13 @@ class Tuner:
         return original, tuned
 
 
-def _failure(result: subprocess.CompletedProcess) -> tuple[str, str]:
-    text = (result.stderr or "") + (result.stdout or "")
-    if "out of memory" in text.lower() or "OutOfMemoryError" in text or result.returncode in (-9, 137):
-        return "out of memory", "out of memory" + (" (killed)" if result.returncode in (-9, 137) else "")
+def _failure(launched: Launched) -> tuple[str, str]:
+    text, killed = launched.output, launched.returncode in (-9, 137)
+    if "out of memory" in text.lower() or "OutOfMemoryError" in text or killed:
+        return "out of memory", "out of memory" + (" (killed)" if killed else "")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:") or "Error" in line]
-    return "failed", (errors or lines or [f"exit status {result.returncode}"])[-1][:300]
+    return "failed", (errors or lines or [f"exit status {launched.returncode}"])[-1][:300]
 
 
 def _rate(c: Candidate) -> str:

@@ -12,10 +12,21 @@ from trainer.config.loading import (
     resumed_config,
     set_dotted,
 )
-from trainer.config.settings import Config, LRSchedule, WeightInit, channels_last_on, leaf_keys, to_dict
+from trainer.config.settings import (
+    RECIPE,
+    TUNABLE,
+    Config,
+    LRSchedule,
+    WeightInit,
+    channels_last_on,
+    leaf_keys,
+    to_dict,
+)
 
 __all__ = [
     "DEFAULT_YAML",
+    "RECIPE",
+    "TUNABLE",
     "Config",
     "LRSchedule",
     "WeightInit",

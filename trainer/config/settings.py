@@ -28,13 +28,22 @@ def _field(
     bound: Bound | None = None,
     path: Literal["hdf5", "npy", "file"] | None = None,
     resumable: bool = False,
+    tunable: bool = False,
     unused: Unused | None = None,
 ) -> Any:
     """A config key and what is known about it: its ``help``; the ``bound`` its value must respect (unless null);
     that it names a file (``path``: read with that data_format, or any file), so that ${VAR} in it is expanded; that
     a resumed run may change it without changing what it learns (``resumable``: where data and logs go, how fast
-    the input pipeline runs, how often it logs and checks); and when the data path leaves it ``unused``."""
-    metadata = {"help": help, "bound": bound, "path": path, "resumable": resumable, "unused": unused}
+    the input pipeline runs, how often it logs and checks); that it says how the work is done, never what is
+    computed, so that ``bench.tune`` may change it (``tunable``); and when the data path leaves it ``unused``."""
+    metadata = {
+        "help": help,
+        "bound": bound,
+        "path": path,
+        "resumable": resumable,
+        "tunable": tunable,
+        "unused": unused,
+    }
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -95,6 +104,7 @@ class Config:
         "lazy: read each crop from the files (the reference's lowmem); host: load the volumes into memory (inmem); "
         "device: load them into GPU memory and cut crops there (falls back to host without a GPU)",
         resumable=True,
+        tunable=True,
     )
     device_storage_dtype: Literal["float32", "float16"] = _field(
         "float32",
@@ -108,6 +118,7 @@ class Config:
         "dali: DALI pipelines make the samples; torch: the same samples from threads and torch ops; auto: dali on a "
         "GPU, torch on a CPU (measured faster there)",
         resumable=True,
+        tunable=True,
     )
     data_size: int = _field(64, "side of the training crops in voxels", bound="positive")
     Nsamples: int = _field(65536, "training samples per epoch (over all ranks)", bound="positive")
@@ -130,6 +141,7 @@ class Config:
         bound="positive",
         resumable=True,
         unused=lambda cfg, storage, backend, device: storage == "device",
+        tunable=True,
     )
     data_prefetch: int = _field(
         2,
@@ -177,11 +189,14 @@ class Config:
         None,
         "samples per rank per forward pass (null: global_batch_size / world size, no accumulation)",
         bound="positive",
+        tunable=True,
     )
     lr_schedule: LRSchedule = _field(LRSchedule(), "learning-rate schedule")
     deepspeed_config: str = _field("ds_configs/ds_fp16.json", "DeepSpeed JSON: precision, optimizer, ZeRO", path="file")
     deepspeed_overrides: dict = _field(
-        {}, "settings merged into that JSON, mapping by mapping: {zero_optimization: {reduce_bucket_size: 200000000}}"
+        {},
+        "settings merged into that JSON, mapping by mapping: {zero_optimization: {reduce_bucket_size: 200000000}}",
+        tunable=True,
     )
     # Fast paths: switches on the same code, each pinned to the plain path by an equivalence test
     channels_last: bool | None = _field(
@@ -190,9 +205,13 @@ class Config:
         "(the weights stay as they are: DeepSpeed broadcasts and flattens parameters as contiguous tensors); "
         "null: on with a GPU, where it measured faster",
         resumable=True,
+        tunable=True,
     )
     cudnn_benchmark: bool | None = _field(
-        None, "let cuDNN time and pick convolution algorithms (null: on with a GPU)", resumable=True
+        None,
+        "let cuDNN time and pick convolution algorithms (null: on with a GPU)",
+        resumable=True,
+        tunable=True,
     )
     cudnn_benchmark_limit: int | None = _field(
         None,
@@ -200,6 +219,7 @@ class Config:
         "(slower first steps); null: torch's default (10)",
         bound="non-negative",
         resumable=True,
+        tunable=True,
     )
     pad_last_layer: bool = _field(
         False,
@@ -208,13 +228,17 @@ class Config:
         resumable=True,
     )
     compile: bool = _field(
-        False, "compile the model with torch.compile through the engine (engine.compile())", resumable=True
+        False,
+        "compile the model with torch.compile through the engine (engine.compile())",
+        resumable=True,
+        tunable=True,
     )
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = _field(
         "default",
         "torch.compile's mode with compile: true (reduce-overhead: CUDA graphs of the forward and backward; "
         "max-autotune: searched kernels, and CUDA graphs too)",
         resumable=True,
+        tunable=True,
     )
     seed: int = _field(0, "base seed: model init, and crops (each rank draws with seed + global rank)")
     # Logging and checkpoints
@@ -223,7 +247,11 @@ class Config:
         3, "checkpoints kept in the run directory (the newest ones)", bound="positive", resumable=True
     )
     cpu_threads: int | None = _field(
-        None, "torch threads per rank on CPU (null: cores / ranks on this node)", bound="positive", resumable=True
+        None,
+        "torch threads per rank on CPU (null: cores / ranks on this node)",
+        bound="positive",
+        resumable=True,
+        tunable=True,
     )
     dist_timeout_s: float = _field(
         600.0, "how long a collective waits for a missing rank before failing", bound="positive", resumable=True
@@ -324,6 +352,10 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 # What a resumed run may change without changing what it learns (the keys marked resumable).
 RESUMABLE = frozenset(f.name for f in dataclasses.fields(Config) if f.metadata["resumable"])
+# What bench.tune may change (the keys marked tunable), and the recipe it must keep: every other key but the
+# description, so that a key added to the config (a loss term, say) is kept by the tuner from the start.
+TUNABLE = tuple(f.name for f in dataclasses.fields(Config) if f.metadata["tunable"])
+RECIPE = tuple(f.name for f in dataclasses.fields(Config) if not f.metadata["tunable"] and f.name != "description")
 
 
 def channels_last_on(cfg: Config, device_type: str) -> bool:
