@@ -1,16 +1,10 @@
-"""Throughput of the input pipeline alone, per backend x storage mode x crop size, against the
-reference's way of loading, in the same run, on the same file and the same cores.
+"""Throughput of the input pipeline alone, per backend x storage mode x crop size, against the reference's way of
+loading and against a plain copy of the same crops (the memory bandwidth), on the same file and cores.
 
     python -m bench.pipeline                       # CPU or GPU, whatever is here
     python -m bench.pipeline --report              # regenerate the table in docs/benchmarks.md from the results
 
-The limit is a plain copy of the same crops out of the volumes in memory (same threads, no rotation): the memory
-bandwidth every case is held against. The baseline is built the way NERSC's tutorial loads data: a PyTorch
-DataLoader whose worker processes (as many as the pipeline's threads) each read a crop from the HDF5 file with
-h5py, rotate it with numpy views and copy it, and collate batches (then moved to the GPU, if any). It
-also turns the velocity channels, which the tutorial forgot, so both sides do the same work.
-Each case discards warm-up batches, then times whole batches; samples/s is samples over wall time,
-the median over repeats that go round all cases in turn.
+docs/benchmarks.md (The input pipeline) tells what each case does and how it is timed.
 """
 
 from __future__ import annotations

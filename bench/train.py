@@ -4,15 +4,9 @@
     python -m deepspeed.launcher.runner --num_gpus 2 --module bench.train --config debug --modes synthetic
     srun -n 8 python -m bench.train --config bs512_opt --modes synthetic full
 
-- ``io``: the pipeline alone (the training loader's batches, nothing trained);
-- ``synthetic``: the DeepSpeed engine's steps on one batch generated on the device (no pipeline);
-- ``full``: real training steps, the pipeline's batches through the engine;
-- ``plain``: the synthetic batch stepped by ``torch.optim.Adam`` without DeepSpeed (DDP across
-  ranks, autocast for bf16/fp16), so that the engine's cost is a ratio, not a guess.
-
-Each mode runs ``--warmup`` optimizer steps that are discarded, then ``--steps`` timed ones. Step
-phases are timed with CUDA events on a GPU (one synchronization at the end) and the host clock on a
-CPU; samples/s is global samples over wall time. Rank 0 appends one record per mode to ``--out``.
+``io`` the pipeline alone; ``synthetic`` the engine on one batch made on the device; ``full`` the real training
+step; ``plain`` the synthetic batch stepped by torch alone (Adam, DDP, autocast), so that the engine's cost is a
+ratio. Rank 0 appends one record per mode to ``--out``; docs/benchmarks.md says how each is timed.
 """
 
 from __future__ import annotations

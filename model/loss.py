@@ -1,20 +1,6 @@
-"""The one loss of the project: L1 (the reference's), plus optional terms, all off by default.
-
-- ``lambda_rho``: L1 on gas density in original space (channel 0 holds log(rho) / 14), weighting dense regions.
-- ``lambda_T``: L1 on the temperature in physical units, relative to the batch's mean: mean |T_pred - T_true| /
-  mean T_true, the normalization (channel 4 holds log10(T / T0) / ``temperature_log_range``) undone. The power of
-  T sits in its few hot voxels, where an error of 0.1 dex in log T is thousands of kelvin and the normalized L1
-  sees it no more than the same error in cold gas.
-- ``lambda_hot``: L1 on the normalized temperature channel with each voxel weighted by its share of the
-  temperature, T_true / mean T_true: to first order the same as ``lambda_T`` (|dT| = ln 10 range T |dx|), without
-  its growth with large errors.
-- ``lambda_pk``: the power spectra of the batch's predicted and true crops compared shell by shell of |k|: per
-  channel, sum_k |P_pred(k) - P_true(k)| / sum_k P_true(k), averaged over the channels. L1 regression predicts a
-  conditional median, which smooths: what it cannot place exactly it leaves out, and the predicted fields lose
-  power. This term asks for the right amount of fluctuation at each scale whatever its phase, the remedy of
-  spectral losses in field-level emulators. Relative to the channel's total power, so that shells where the truth
-  has next to none (beyond a smoothing scale) weigh what the prediction puts there, not a ratio of two near-zero
-  numbers, and a channel's term is 1 for a prediction without fluctuations.
+"""The one loss of the project: L1 (the reference's), plus optional terms, all off by default: ``lambda_rho`` (gas
+density in original space), ``lambda_T`` and ``lambda_hot`` (the temperature in physical units, and weighted by
+it) and ``lambda_pk`` (the crops' power spectra). docs/training.md (Loss) says what each computes and why.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
-"""The statistics cosmologists check first, comparing a predicted hydro box with the true one.
-
-- L1 per channel, in the normalized units the network works in;
-- for gas density and temperature in physical units (the normalization undone): the power spectrum
-  ratio P_pred(k) / P_true(k) and the cross-correlation coefficient r(k) = P_x / sqrt(P_pred P_true),
-  in shells of |k| (k in units of the box's fundamental mode 2 pi / L, up to the Nyquist mode L/2);
-- the one-point PDF of log10 gas density;
-- the temperature-density relation: the median log10 T in bins of log10 density, and the whole plane (2D
-  histograms, true and predicted);
-- summaries of P_pred / P_true and r(k): their medians over named ranges of k (``k_ranges``: large scales,
-  intermediate, small scales up to Nyquist), so that a few shells far off cannot hide a range's typical value;
-- the science target (``target``): every shell up to a quarter of Nyquist within 10% in power and r >= 0.95;
-- the gas velocities (``VELOCITIES``: each component and the speed), P_pred / P_true and r(k) with their medians,
-  and the same thresholds in a target of their own (``velocity_target``): a model that paints density and
-  temperature but not the flows shows it there.
-
-Power spectra of density and temperature are of the contrast f / mean(f) - 1, those of the velocities of the
-field itself (its mean is about zero), on the periodic grid, normalized per mode so that white noise of variance
-s^2 has P(k) = s^2 at every k.
+"""The statistics cosmologists check first, comparing a predicted hydro box with the true one: L1 per channel; for gas
+density and temperature in physical units the power spectrum ratio and the cross-correlation r(k) per shell of |k|,
+with medians over named k ranges and the science target; the density PDF; the temperature-density relation; the
+gas velocities' spectra, judged apart (``velocity_target``). docs/prediction.md defines each one.
 """
 
 from __future__ import annotations

@@ -53,11 +53,8 @@ def ring_slots(lookahead: int, hold: int) -> int:
 class CropBatcher:
     """Cuts the batches of ``plan`` from ``volumes`` with ``threads`` threads, ``lookahead`` batches ahead.
 
-    ``get(epoch, batch)`` returns that batch, waiting if it is not ready, and starts the following
-    ones (across the epoch boundary too). Batches live in a ring of buffers; the consumer may hold up to
-    ``hold`` returned batches before their buffers are reused. A consumer that reads a buffer
-    asynchronously (a copy to the GPU from pinned buffers: ``allocate``) hands a ``guard`` for it, and
-    that buffer is cut into again only once the guard has synchronized.
+    ``get(epoch, batch)`` returns that batch (waiting if need be) from a ring of buffers, of which the consumer may
+    hold ``hold``; a buffer read asynchronously (a copy to the GPU) is cut into again once its ``guard`` synchronized.
     """
 
     def __init__(

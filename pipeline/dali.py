@@ -1,31 +1,9 @@
 """DALI pipelines: each batch of a ``DrawPlan`` made inside the DALI graph, on the training device.
 
-The graph (``_graph``) reads as its stages: source (an external source hands over, by name, what the storage
-mode's crop source needs for the batch, the crops' corners and the rotation arguments), cut, rotate (inputs and
-targets alike, vector channels turned with the volume), layout (channels last, for channels-last training) and cast
-(the inputs to the engine's dtype); its outputs are ``OUTPUTS``. For resident volumes one function does everything
-from the cut to the cast (``ResidentCrops``). Where the crops come from is the storage mode's business
-(``CropSource``, one class per mode below):
-
-- ``HostCrops`` (storage ``host``): the volumes in this process's memory, listed once per sample by the
-  external source (``no_copy``: on the CPU, DALI takes a list of arrays as they are, so the volume is not
-  copied) and cut by ``fn.slice`` at voxel anchors on DALI's CPU threads; on a GPU the crops are then
-  uploaded and rotated there.
-- ``ResidentCrops`` (storage ``device``): volumes resident in GPU memory, held by a function that DALI
-  calls on its own CUDA stream (``fn.dl_tensor_python_function``), which makes the whole training batch
-  with ``pipeline.device_cut.DeviceCutter``: cut, rotated, laid out and cast in three passes, one
-  implementation for both backends. The volume never enters the graph as data: a GPU external source would
-  copy a batch that lists it once per sample into one buffer (DALI's documentation of ``no_copy``). The
-  same function cuts volumes in host memory when the graph runs on the CPU.
-- ``NumpyCrops`` (storage ``lazy``, .npy files): DALI's numpy reader reads each crop as a region of
-  interest of the files, on the CPU (which memory-maps the file and reads only those pages); the crops are then
-  uploaded. DALI's GPU numpy reader (GPUDirect Storage) reads each sample's whole file before it cuts the region of
-  interest: per sample, the whole volume, which rules it out for crops of one large volume (docs/data.md).
-- ``BatcherCrops`` (storage ``lazy``, HDF5 files): crops read by the ``CropBatcher``'s threads with h5py
-  (DALI has no HDF5 reader), handed over as a batch; on the CPU the batcher rotates them as it cuts.
-
-Targets stay float32, the precision of the loss: float16 would round them by up to 2.4e-4, a visible share
-of a converged L1 of about 5e-3. The same graph runs on the CPU (``device_id=None``) and on a GPU.
+The graph (``_graph``) reads as its stages: source, cut, rotate, layout, cast; its outputs are ``OUTPUTS``. Where
+the crops come from is the storage mode's crop source (``CropSource``): ``HostCrops``, ``ResidentCrops``,
+``NumpyCrops`` and ``BatcherCrops`` below. The same graph runs on the CPU (``device_id=None``) and on a GPU;
+docs/data.md (The pipeline) tells why each mode is cut where it is.
 """
 
 from __future__ import annotations
@@ -386,13 +364,11 @@ def _graph(feed: _Feed, crop_size: int, *, on_gpu: bool, dtype, channels_last: b
 
 
 class DaliLoader:
-    """Iterates over one epoch of (input, target) NCDHW torch tensors per ``for`` loop, made by a DALI graph
-    from ``crops`` (see the module's docstring) on the GPU ``device_id``, or on the CPU where it is None.
+    """Iterates over one epoch of (input, target) torch tensors per ``for`` loop, made by a DALI graph from ``crops`` on
+    the GPU ``device_id``, or on the CPU where it is None.
 
-    Inputs come in ``dtype`` (the engine's), targets in float32. The graph rotates the crops unless their
-    source has (``crops.rotated``). The first epoch (``first_epoch``) starts at batch ``first_batch``: a run
-    resumed part-way through it. With ``channels_last`` the batches are NDHWC in memory (torch's
-    channels_last_3d), as the model then wants. ``prefetch`` batches are made ahead.
+    Inputs come in ``dtype`` (the engine's), targets in float32; NDHWC in memory with ``channels_last``. The first
+    epoch starts at batch ``first_batch`` (a run resumed part-way through it); ``prefetch`` batches are made ahead.
     """
 
     def __init__(

@@ -18,14 +18,9 @@ from pipeline.sampling import Augmenter, SampleDraw
 class DeviceCutter:
     """Cuts and rotates the crops of a batch on the device: two gathers and one multiply per tensor.
 
-    Output voxel (c, i0, i1, i2) of sample b reads source channel ``order[c]`` at the coordinates where
-    input axis ``perm[a]`` takes ``corner + i_a`` (``corner + S - 1 - i_a`` where the rotation reverses
-    output axis a), times the channel's sign: ``pipeline.rotations.rotate_into``, exactly. The spatial
-    offset of each output voxel is the sum of three per-axis vectors; one gather takes every channel at
-    those offsets (the (B, S^3) offsets broadcast over channels), a second puts the channels in order (in
-    NDHWC memory for channels-last), and the sign multiply writes the training dtype. The per-sample
-    arguments reach the device in one small non-blocking copy. (One indexing with broadcast indices instead of
-    the gathers measured no faster on a CPU, and torch's CUDA indexing writes such indices out in full first.)
+    One gather takes every channel at each output voxel's source offset (the sum of three per-axis vectors), a second
+    puts the channels in the sample's order (NDHWC memory for channels-last), and the sign multiply writes the training
+    dtype: ``pipeline.rotations.rotate_into``, exactly. docs/data.md (Backends) tells the routes not taken.
     """
 
     def __init__(self, augmenter: Augmenter, crop_size: int, device: torch.device) -> None:

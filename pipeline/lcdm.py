@@ -1,23 +1,9 @@
 """A synthetic universe from a cosmology: LCDM initial conditions, dark matter moved by Lagrangian perturbation
 theory (2LPT, or Zel'dovich alone), and gas that follows it down to a pressure-smoothing scale.
 
-1. The linear matter power spectrum P(k) of a flat LCDM cosmology (Omega_m, Omega_b, h, n_s, sigma_8) at redshift
-   0, from colossus's Eisenstein & Hu (1998) transfer function with baryon oscillations, normalized to sigma_8, and
-   the linear growth factor D(z). colossus is a small pure-Python package (with SciPy); CAMB or CLASS would be
-   about 1% more accurate on these scales at the cost of a compiled code and seconds per spectrum.
-2. A Gaussian field with spectrum D(z)^2 P(k) on the periodic grid (cell ``cell_mpc_h`` Mpc/h): the linear density
-   delta_k, the Zel'dovich displacement psi1_k = i k / k^2 delta_k and (``lpt_order`` 2) the second-order one.
-3. One particle per cell, moved to x = q + psi(q); cloud-in-cell deposit of their mass (the dark-matter density
-   rho / rho_mean) and of their momentum (the mass-weighted velocity, v = f1 psi1 + f2 psi2 in units of a H).
-4. Gas: the dark-matter density and momentum filtered with exp(-k^2 lambda^2 / 2) at the Jeans-like scale
-   ``jeans_mpc_h`` (pressure smoothing); temperature from T = T0 (rho_gas)^(gamma - 1) with a log-normal scatter,
-   times 1 + (T_shock / T0) (rho_gas / ``shock_density`` - 1) c where the gas is denser than ``shock_density`` and
-   converging at c times the expected linear rms of -div v (a shock-heated phase that grows continuously with both,
-   a function of the gas's own state: the same region heats alike in any box).
-
-Everything is float32 and released as soon as used (a 512^3 box peaks near 9 GB). Normalized the reference's way:
-densities as log(rho) / 14, velocities over ``velocity_unit_sigmas`` times the expected linear rms of one component,
-temperature as log10(T / T0) / ``temperature_log_range``.
+The steps (the linear spectrum, the Gaussian field and its displacements, the particles deposited cell by cell, the
+gas's smoothing, temperature and shock heating) and the normalization are in docs/data.md (Synthetic boxes).
+Everything is float32 and released as soon as used.
 """
 
 from __future__ import annotations

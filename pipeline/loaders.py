@@ -1,11 +1,9 @@
 """Storage modes and backends put together: the loaders a training run iterates over.
 
-``lazy`` reads each crop from the files, ``host`` loads the volumes into this process's memory,
-``device`` loads them into GPU memory (float16 optionally, to halve the footprint), with no per-step copy
-from the host. The DALI backend cuts and rotates inside its graph (``pipeline.dali``; HDF5 files read
-lazily go through the ``CropBatcher``'s threads, as DALI has no HDF5 reader); the torch backend cuts on
-the batcher's threads (rotating in the same copy on a CPU) or, for ``device``, by one gather on the GPU
-(``pipeline.torch_backend``). Either way, the rotation happens on the training device.
+``lazy`` reads each crop from the files, ``host`` loads the volumes into this process's memory, ``device`` into GPU
+memory. The DALI backend cuts and rotates inside its graph (``pipeline.dali``), the torch backend on the batcher's
+threads or, for ``device``, with ``pipeline.device_cut.DeviceCutter`` (``pipeline.torch_backend``); either way the
+rotation happens on the training device.
 """
 
 from __future__ import annotations
@@ -160,8 +158,8 @@ def check_memory(volumes: list[VolumePair], settings: LoaderSettings, local_rank
 
 
 def to_device(volumes: VolumePair, device: torch.device, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both volumes as contiguous tensors on ``device``, copied one channel at a time to bound host memory: the
-    inputs in ``dtype``, the targets in float32 (the loss's precision; float16 would round them by up to 5e-4)."""
+    """Both volumes as contiguous tensors on ``device``, copied one channel at a time (host memory stays at one
+    channel of the box): the inputs in ``dtype``, the targets in float32, the loss's precision."""
     resident = []
     for volume, volume_dtype in ((volumes.nbody, getattr(torch, dtype)), (volumes.hydro, torch.float32)):
         out = torch.empty(tuple(volume.shape), dtype=volume_dtype, device=device)

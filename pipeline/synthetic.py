@@ -1,19 +1,10 @@
 """Synthetic cosmology boxes in the reference layout, so that everything runs without the 40 GB dataset.
 
-The inputs are what an N-body code would give on a grid: a periodic Gaussian random field with a
-power-law-like spectrum, made log-normal for the dark-matter density, and velocities that follow from
-the linear density by linear theory (v_k = i k / k^2 delta_k, in units where f a H = 1). The targets
-are what a hydro code adds, as local but non-trivial functions of the inputs: gas density is the
-dark-matter density smoothed over a pressure scale, gas velocity the smoothed dark-matter velocity,
-and temperature follows the temperature-density relation T = T0 rho_gas^(gamma - 1), raised where
-the gas flow converges (shock heating).
-
-Normalization follows the reference: densities as log(rho) / 14; velocities divided by a fixed unit
-(``velocity_unit_sigmas`` times the expected rms of one component); temperature as
-log10(T / T0) / ``temperature_log_range``. All of it is set by the spectrum, not by the realization,
-so boxes of different sizes and seeds share one normalization.
-
     python -m pipeline.synthetic --out_dir data/synthetic --train_box_size 128 --val_box_size 64
+
+The inputs are a Gaussian random field made log-normal and its linear-theory velocities; the targets are local but
+non-trivial functions of them (smoothed gas, a temperature-density relation with shock heating), normalized as the
+reference normalizes, by the spectrum and not the realization: docs/data.md (Synthetic boxes).
 """
 
 from __future__ import annotations

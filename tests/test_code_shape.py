@@ -1,6 +1,6 @@
-"""Calls read by name: the project's functions take at most three positional arguments and never a positional bool,
-and its dataclasses of more than three fields (or any bool field) are built by keyword. Python then holds every call
-to it; this test holds the definitions."""
+"""Code that reads easily, held: calls by name (the project's functions take at most three positional arguments and
+never a positional bool, its dataclasses of more than three fields or any bool field are built by keyword; Python
+then holds every call), short docstrings (the reasoning and the figures are in docs/), benchmarks of modest size."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ SOURCES = sorted(
     for path in (REPO / folder).rglob("*.py")
 ) + [REPO / "ds_train.py"]
 MAX_POSITIONAL = 3
+MAX_DOC_LINES = {"module": 12, "definition": 6}  # a summary and a short paragraph (a module's usage lines too)
+MAX_BENCH_LINES = 450
 
 
 def _is_bool(annotation: ast.expr | None) -> bool:
@@ -79,3 +81,23 @@ def test_the_rule_finds_what_it_forbids(tmp_path):
         "flag: positional bool on",
         "Wide: a dataclass built by position",
     ]
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=[str(p.relative_to(REPO)) for p in SOURCES])
+def test_docstrings_are_a_summary_and_a_short_paragraph(path):
+    tree = ast.parse(path.read_text())
+    long = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        doc = ast.get_docstring(node) or ""
+        limit = MAX_DOC_LINES["module" if isinstance(node, ast.Module) else "definition"]
+        if len(doc.splitlines()) > limit:
+            long.append(f"{getattr(node, 'name', 'the module')}: {len(doc.splitlines())} lines")
+    assert long == []
+
+
+def test_no_benchmark_file_is_long():
+    assert {
+        p.name: n for p in (REPO / "bench").glob("*.py") if (n := len(p.read_text().splitlines())) > MAX_BENCH_LINES
+    } == {}

@@ -1,8 +1,7 @@
-"""Building what a run trains with, from its config, in two steps that the trainer, the benchmarks and the tests
-call alike: ``build_data`` (the storage mode and backend worked out once, the volumes opened and checked, the
-memory they need checked, then the loaders) and ``build_engine`` (the model, the DeepSpeed config with the peak
-learning rate, the schedule, DeepSpeed's engine). Bad data and data that cannot fit are found before the engine
-is built.
+"""Building what a run trains with from its config, as the trainer, the benchmarks and the tests do alike:
+``build_data`` (a ``RunData``: the volumes, opened and checked, and how its loaders cut them) and ``build_engine``
+(the model, the DeepSpeed config, the schedule, the engine). Bad data, and data that cannot fit, are found before the
+engine is built.
 """
 
 from __future__ import annotations

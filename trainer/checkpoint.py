@@ -127,11 +127,9 @@ def _publish(ckpt_dir: Path, partial: str, tag: str) -> None:
 def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], *, keep: int) -> str:
     """Save the engine's state as the newest checkpoint, on every rank; returns its tag.
 
-    Refuses (NumericalError) to save weights that are not finite: a NaN model must not replace a
-    good checkpoint. A write that fails (a full disk, a file size limit) on any rank is a CheckpointError
-    on every rank, the partial directory removed and the previous checkpoint left as the latest. Every rank
-    makes the same collectives whatever fails where: DeepSpeed's own, stood in for by one barrier where its save
-    raised part way (after its tag check, where its writes are), then agreements in place of barriers.
+    Weights that are not finite are never saved (NumericalError). A write that fails on any rank is a CheckpointError on
+    every rank, the partial directory removed and the previous checkpoint left the latest; every rank makes the same
+    collectives whatever fails where.
     """
     ckpt_dir = run_dir / CHECKPOINT_DIR
     tag = tag_for(engine.global_steps)

@@ -1,17 +1,9 @@
 """Where this process stands in the job: rank, local rank, world size and the rendezvous address.
 
-One place reads the three ways a process can be started:
-
-- by a launcher (``deepspeed``, ``torchrun``, DeepSpeed's Slurm launcher): RANK, LOCAL_RANK,
-  WORLD_SIZE, MASTER_ADDR and MASTER_PORT, all of them;
-- by ``srun``, one process per task: SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS and the step's node
-  list, whose first host is the rendezvous (MASTER_ADDR and MASTER_PORT override it; the port is
-  otherwise derived from the job and step ids, so that every task computes the same one);
-- by nothing: a single process.
-
-DeepSpeed itself reads only the launcher's variables, which is why ranks started by a plain
-``srun`` all believed they were rank 0: here they are mapped, and contradictions are errors.
-``init_distributed`` then starts torch.distributed (NCCL on GPUs, gloo on CPUs) and picks this rank's device.
+One place reads the three ways a process can be started: by a launcher (``deepspeed``, ``torchrun``: RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), by ``srun`` (Slurm's variables, mapped here, as DeepSpeed reads
+only the launchers'), or by nothing (a single process); contradictions are errors. ``init_distributed`` then holds
+the rendezvous, starts torch.distributed (NCCL on GPUs, gloo on CPUs) and picks this rank's device.
 """
 
 from __future__ import annotations
@@ -212,13 +204,10 @@ class Device:
 def gpu_index(
     local_rank: int, local_world_size: int, visible_gpus: int, *, environ: Mapping[str, str], srun_tasks: bool
 ) -> int:
-    """The GPU of a rank: its local rank, or 0 where Slurm gives each task a GPU of its own: the ranks are srun's
-    tasks (``srun_tasks``, not processes a launcher started inside one task) and srun ran with --gpus-per-task
-    (SLURM_GPUS_PER_TASK set, CUDA_VISIBLE_DEVICES naming one GPU, a different one per task).
+    """The GPU of a rank: its local rank, or 0 where srun gives each of its tasks a GPU of its own
+    (``--gpus-per-task``: SLURM_GPUS_PER_TASK set, CUDA_VISIBLE_DEVICES naming one GPU).
 
-    Two ranks on one GPU (more ranks on a node than the GPUs they see, or several ranks that all see one and
-    the same GPU, as with CUDA_VISIBLE_DEVICES=0 exported to every rank of a torchrun) fail mid-run in NCCL
-    ("Duplicate GPU detected"): a clear error here instead.
+    Two ranks on one GPU would fail mid-run in NCCL ("Duplicate GPU detected"): a DistError here instead.
     """
     if visible_gpus == 1 and local_world_size == 1:
         return 0

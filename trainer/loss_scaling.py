@@ -25,15 +25,9 @@ _SCALES_ITSELF: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary
 def backward(engine: Any, loss: torch.Tensor) -> None:
     """``engine.backward(loss)`` with fp16's loss scale applied exactly once.
 
-    Under fp16 every DeepSpeed optimizer divides the gradients by its loss scale in ``step()``, but DeepSpeed's
-    ``engine.backward`` multiplies the loss by it only for its ZeRO optimizers and torch's GradScaler: 0.19.8 leaves
-    the fp16 wrappers of ZeRO stage 0 unscaled (deepspeedai/DeepSpeed#8393). There the gradients of an L1 mean over
-    2^25 outputs or more are below fp16's smallest number, all exactly zero, and nothing overflows. So the first
-    backward of each fp16 engine shows what DeepSpeed does: a hook on the loss sees the gradient that reaches it,
-    the factor DeepSpeed multiplied the loss by (1/accumulation, times the loss scale where it applies it). Where it
-    does not, the hook applies the scale to that backward, and later ones multiply the loss by the scale; where it
-    does (ZeRO, a fixed DeepSpeed), nothing changes. The loss stays float32 (``model.Loss``): scaled by 2^16, it
-    would overflow float16. bf16 and fp32 engines are left as they are.
+    DeepSpeed 0.19.8 divides fp16 gradients by the loss scale in ``step()`` but, at ZeRO stage 0, never multiplies the
+    loss by it (deepspeedai/DeepSpeed#8393): the first fp16 backward sees, by a hook on the loss, the factor DeepSpeed
+    applied, and the scale is applied here where it was not (docs/training.md, fp16). bf16 and fp32 are left alone.
     """
     if not engine.fp16_enabled():
         engine.backward(loss)

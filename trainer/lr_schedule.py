@@ -1,19 +1,9 @@
-"""Our learning-rate schedule: batch-size scaling, linear warm-up, cosine decay to end_lr.
+"""Our learning-rate schedule: batch-size scaling, linear warm-up, cosine decay to end_lr (docs/training.md).
 
-Step ``t`` (1-based) is the optimizer step about to be taken. The peak is
-``start_lr * s`` with ``s = sqrt(global / base)``, ``global / base`` or 1 by ``scaling``. When
-warm-up applies (the reference's rule: scaling is not 'none' and global > base), steps 1..W rise
-linearly to the peak, ``peak * t / W``. Then the cosine runs from the peak to ``end_lr``:
-``end + (peak - end) (1 + cos(pi (t - W) / (T - W))) / 2``, which is ``end_lr`` exactly at the last
-step ``t = T``. (The reference's cosine runs over T steps after warm-up and ends above end_lr.)
-
-The object follows torch's scheduler protocol as DeepSpeed uses it: DeepSpeed calls ``step()`` after
-each optimizer step and saves ``state_dict()`` in its checkpoints. It does not call it after a step it
-skipped (gradients that overflowed under fp16, or were not finite under bf16); ``follow(engine)`` counts
-those too, at the next applied step, so that the schedule is back at the engine's step: step ``t`` uses
-the lr of step ``t``, except the step right after a skipped one, which uses the skipped step's; the run
-reaches ``end_lr`` at its last step. (Counting only the applied steps would leave the schedule behind by
-every skipped step, short of ``end_lr`` at the end of training.)
+The peak is ``start_lr`` times sqrt(global / base), global / base or 1 (``scaling``); warm-up applies, as in the
+reference, where scaling is not 'none' and global > base. DeepSpeed steps the object after each optimizer step and
+saves it in its checkpoints; ``follow(engine)`` counts the steps DeepSpeed skipped, so that the run reaches
+``end_lr`` at its last step.
 """
 
 from __future__ import annotations

@@ -80,10 +80,9 @@ def micro_step(
 ) -> torch.Tensor | None:
     """Forward, backward and (at an accumulation boundary, where DeepSpeed counts the micro-steps) the optimizer step.
 
-    Between forward and backward the ``guard``, when given, may skip the rest (None is returned: a non-finite loss
-    that every rank agreed to skip); ``where()`` names the step in its messages. ``after_backward()``, when given,
-    sees the gradients before the optimizer takes them. Returns the loss still on the device: reading it here would
-    synchronize every step.
+    The ``guard`` may skip the rest after the forward (None is returned: a non-finite loss every rank agreed to skip);
+    ``after_backward()`` sees the gradients before the optimizer takes them. Returns the loss still on the device:
+    reading it here would synchronize every step.
     """
     with phase("forward"):
         loss = loss_fn(engine(inputs), targets)
