@@ -29,7 +29,7 @@ from pipeline.loaders import LoaderSettings, build_loader
 from pipeline.rotations import ROTATIONS, channel_order, channel_signs
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.synthetic import SyntheticSpec, write_box
-from pipeline.volumes import VolumeFiles, VolumePair
+from pipeline.volumes import VolumeFiles, VolumePair, read_hdf5
 
 RESULTS = REPO / "bench" / "results" / "pipeline.jsonl"
 DOC = REPO / "docs" / "benchmarks.md"  # the page whose tables bench.pipeline and bench.report regenerate
@@ -47,10 +47,8 @@ class ReferenceStyleCrops(Dataset):
         return self.plan.num_samples
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        import h5py
-
         if self.file is None:
-            self.file = h5py.File(self.path, "r")
+            self.file = read_hdf5(self.path)
         draw = self.plan.batch_draws(0, index // self.plan.batch_size)[index % self.plan.batch_size]
         size, (x, y, z) = self.plan.crop_size, draw.corner
         rot = ROTATIONS[draw.rotation]

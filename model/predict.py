@@ -31,7 +31,7 @@ from model.figures import phases, slices, spectra
 from model.metrics import Normalization, compare, spectra_table
 from model.tiling import accumulate, predict_box
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, NBODY_DATASET
-from pipeline.volumes import DataError, open_hdf5, open_npy
+from pipeline.volumes import DataError, open_hdf5, open_npy, read_hdf5
 
 log = logging.getLogger("predict")
 
@@ -131,7 +131,7 @@ def compare_box(
 
 def evaluate_file(prediction: Path, truth: Path, inputs: Path, *, out_dir: Path, layout: str = "CDHW") -> dict:
     true_volume, attrs = _open(truth, HYDRO_DATASET, layout)
-    with h5py.File(prediction, "r") as f:
+    with read_hdf5(prediction) as f:
         pred = f[HYDRO_DATASET][...]
     true = np.asarray(true_volume[...], dtype=np.float32)
     if true.shape != pred.shape:
@@ -169,9 +169,12 @@ def _predict(args: Namespace, emulator: Emulator, out_dir: Path) -> None:
     truth = args.truth or (args.input if args.input.suffix != ".npy" else None)
     if truth is None:
         return
-    if truth.suffix != ".npy" and HYDRO_DATASET not in h5py.File(truth, "r"):
-        log.info("%s holds no %s: no metrics", truth, HYDRO_DATASET)
-        return
+    if truth.suffix != ".npy":
+        with read_hdf5(truth) as f:
+            has_truth = HYDRO_DATASET in f
+        if not has_truth:
+            log.info("%s holds no %s: no metrics", truth, HYDRO_DATASET)
+            return
     metrics = evaluate_file(prediction, truth, args.input, out_dir=out_dir, layout=args.npy_layout)
     log.info("L1 %.5f (mean over channels, normalized units)", metrics["l1_mean"])
     print(spectra_table(metrics), flush=True)

@@ -23,7 +23,7 @@ import numpy as np
 from common.cli import ArgumentParser, output_dir
 from common.files import written_atomically
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, LOG_DENSITY_SCALE, NBODY_CHANNELS, NBODY_DATASET
-from pipeline.volumes import DataError
+from pipeline.volumes import DataError, read_hdf5
 
 
 def _param(default: float, help: str) -> Any:
@@ -221,7 +221,7 @@ def ensure_box(path: Path, spec: SyntheticSpec, which: str) -> bool:
     box_size, seed = boxes(spec)[which]
     if path.exists():
         try:
-            with h5py.File(path, "r") as f:
+            with read_hdf5(path) as f:
                 found = {key: f.attrs.get(key) for key in ("generator", "spec", "box_size", "seed")}
         except OSError as err:
             raise DataError(f"{path}: not a readable HDF5 file ({err}); delete it to have it generated again") from None

@@ -51,11 +51,17 @@ def _require_file(path: Path) -> None:
         raise DataError(f"{path}: no such data file")
 
 
+def read_hdf5(path: str | Path) -> h5py.File:
+    """An HDF5 file opened to read, without HDF5's file locking: a reader needs none, and a file system that refuses
+    locks (ENOLCK on some NFS mounts), or a lock another process holds, would otherwise stop it."""
+    return h5py.File(path, "r", locking=False)
+
+
 def open_hdf5(path: Path, name: str) -> h5py.Dataset:
     """A dataset of an HDF5 file, opened read-only (``dataset.file`` closes it); DataError if it is not there."""
     _require_file(path)
     try:
-        f = h5py.File(path, "r")
+        f = read_hdf5(path)
     except OSError as err:
         raise DataError(f"{path}: not a readable HDF5 file ({err})") from None
     if name not in f:

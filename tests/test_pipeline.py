@@ -347,3 +347,33 @@ def test_the_memory_check_counts_the_batch_buffers_the_batchers_allocate(volumes
     finally:
         for loader in loaders:
             loader.close()
+
+
+def test_hdf5_inputs_are_read_without_file_locking(tmp_path, tiny_data):
+    """A process that holds the file with HDF5's lock (a writer) does not stop the readers."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "held.h5"
+    path.write_bytes(tiny_data["train"].read_bytes())
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import h5py, sys, time; f = h5py.File(sys.argv[1], 'a'); print('open', flush=True); time.sleep(60)",
+            str(path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "open\n"
+        with pytest.raises(OSError, match="lock"):
+            h5py.File(path, "r")  # HDF5's default: refused while the writer holds its lock
+        volumes = VolumePair.open(VolumeFiles.hdf5(path), 4, 5, crop_size=CROP)
+        assert volumes.box_size == 32 and float(np.asarray(volumes.nbody[0, 0, 0, 0])) == float(
+            np.asarray(h5py.File(tiny_data["train"], "r", locking=False)["Nbody"][0, 0, 0, 0])
+        )
+    finally:
+        holder.kill()
+        holder.wait()
