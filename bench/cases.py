@@ -10,7 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -126,21 +126,36 @@ class Launched:
 
 
 def launch(
-    command: list[str], *, timeout_s: float | None = None, capture: bool = True, stop: int = signal.SIGKILL
+    command: list[str],
+    *,
+    timeout_s: float | None = None,
+    capture: bool = True,
+    stop: int = signal.SIGKILL,
+    watch: Callable[[int], None] | None = None,
 ) -> Launched:
     """Run ``command`` from the repository in a process group of its own (a launcher's ranks are in it too), its
-    output captured or not; past ``timeout_s`` the group gets ``stop`` (SIGKILL, or SIGTERM for a run that saves
-    and ends) and is waited for. Interrupted here, the group is killed: no rank outlives its harness."""
+    output captured or not; ``watch(pid)`` is called every 0.1 s while it runs. Past ``timeout_s`` the group gets
+    ``stop`` (SIGKILL, or SIGTERM for a run that saves and ends) and is waited for. Interrupted here, the group is
+    killed: no rank outlives its harness."""
     pipe = subprocess.PIPE if capture else None
     start = time.monotonic()
     proc = subprocess.Popen(command, cwd=REPO, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
     timed_out = False
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, stop)
-        stdout, stderr = proc.communicate()
+        while True:
+            left = None if timeout_s is None else start + timeout_s - time.monotonic()
+            wait = left if watch is None else (0.1 if left is None else min(0.1, max(left, 0.0)))
+            try:
+                stdout, stderr = proc.communicate(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:  # the output read so far is kept for the next call
+                if timeout_s is not None and time.monotonic() >= start + timeout_s:
+                    timed_out = True
+                    os.killpg(proc.pid, stop)
+                    stdout, stderr = proc.communicate()
+                    break
+                if watch is not None:
+                    watch(proc.pid)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

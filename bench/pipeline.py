@@ -28,6 +28,7 @@ from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
 from pipeline.loaders import LoaderSettings, build_loader
 from pipeline.rotations import ROTATIONS, channel_order, channel_signs
 from pipeline.sampling import Augmenter, DrawPlan
+from pipeline.storage import STORAGES
 from pipeline.synthetic import SyntheticSpec, write_box
 from pipeline.volumes import VolumeFiles, VolumePair, read_hdf5
 
@@ -165,7 +166,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     continue  # not asked for
                 storage = case.removesuffix("-npy")
                 settings = LoaderSettings(
-                    backend=backend, storage=storage, device_storage_dtype="float16", threads=args.threads, lookahead=2
+                    backend=backend,
+                    storage=STORAGES[storage],
+                    device_storage_dtype="float16",
+                    threads=args.threads,
+                    lookahead=2,
                 )
                 v = npy_volumes if case.endswith("-npy") else volumes
                 cases[f"{backend}-{case}"] = lambda s=settings, v=v, p=plan: build_loader(

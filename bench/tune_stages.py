@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench.cases import PRECISIONS, bf16_supported, precision_of
 from pipeline.loaders import dali_installed, resolve_backend
+from pipeline.storage import STORAGES
 from trainer.config import Config, channels_last_on
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def _threads(tuner: Tuner, cfg: Config, template: dict[str, Any]) -> Found:
 
 
 def _data_threads(tuner: Tuner, cfg: Config, template: dict[str, Any]) -> Found:
-    if cfg.storage == "device":
+    if STORAGES[cfg.storage].on_device:
         return "with storage device the crops are cut by the training device, not by data threads"
     now = cfg.num_data_workers
     return _choices("data_threads", "num_data_workers", sorted({1, 2, 4, now}), now=now, label="{} data threads")
@@ -131,11 +132,11 @@ def _zero(tuner: Tuner, cfg: Config, template: dict[str, Any]) -> Found:
 
 
 def _storage(tuner: Tuner, cfg: Config, template: dict[str, Any]) -> Found:
-    return _choices("storage", "storage", ["lazy", "host", "device"], now=cfg.storage, label="storage {}")
+    return _choices("storage", "storage", list(STORAGES), now=cfg.storage, label="storage {}")
 
 
 def _backend(tuner: Tuner, cfg: Config, template: dict[str, Any]) -> Found:
-    now = resolve_backend(cfg.backend, tuner.device_type, cfg.storage)
+    now = resolve_backend(cfg.backend, tuner.device_type, STORAGES[cfg.storage])
     found = _choices("backend", "backend", ["torch", "dali"], now=now, label="backend {}")
     if not dali_installed():
         found[1].status, found[1].reason = "not available here", "NVIDIA DALI is not installed"

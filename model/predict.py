@@ -17,6 +17,8 @@ import json
 import logging
 import sys
 from argparse import Namespace
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +38,17 @@ from pipeline.volumes import DataError, open_hdf5, open_npy, read_hdf5
 log = logging.getLogger("predict")
 
 
-def _open(path: Path, dataset: str, layout: str) -> tuple[object, dict]:
-    """A (C, L, L, L) volume from an HDF5 dataset or a .npy file, and the file's attributes."""
+@contextmanager
+def _opened(path: Path, dataset: str, layout: str) -> Iterator[tuple[Any, dict]]:
+    """A (C, L, L, L) volume from an HDF5 dataset or a .npy file, and the file's attributes; closed after."""
     if path.suffix == ".npy":
-        return open_npy(path, layout), {}
+        yield open_npy(path, layout), {}
+        return
     volume = open_hdf5(path, dataset)
-    return volume, dict(volume.file.attrs)
+    try:
+        yield volume, dict(volume.file.attrs)
+    finally:
+        volume.file.close()
 
 
 def predict_file(
@@ -60,7 +67,24 @@ def predict_file(
         raise ValueError(f"overlap {overlap} must be in [0, {crop}) for this emulator's {crop}^3 tiles")
     if batch < 1:
         raise ValueError(f"batch must be positive, got {batch}")
-    volume, attrs = _open(input_path, NBODY_DATASET, layout)
+    with _opened(input_path, NBODY_DATASET, layout) as (volume, attrs):
+        return _predict_volume(
+            emulator, volume, attrs, input_path=input_path, out_dir=out_dir, overlap=overlap, batch=batch, device=device
+        )
+
+
+def _predict_volume(
+    emulator: Emulator,
+    volume: Any,
+    attrs: dict,
+    *,
+    input_path: Path,
+    out_dir: Path,
+    overlap: int,
+    batch: int,
+    device: torch.device,
+) -> Path:
+    spec = emulator.spec
     if volume.ndim != 4 or volume.shape[0] != spec.in_channels or len(set(volume.shape[1:])) != 1:
         raise DataError(
             f"{input_path}: inputs of shape {tuple(volume.shape)}; the emulator takes ({spec.in_channels}, L, L, L)"
@@ -130,19 +154,20 @@ def compare_box(
 
 
 def evaluate_file(prediction: Path, truth: Path, inputs: Path, *, out_dir: Path, layout: str = "CDHW") -> dict:
-    true_volume, attrs = _open(truth, HYDRO_DATASET, layout)
+    with _opened(truth, HYDRO_DATASET, layout) as (true_volume, attrs):
+        true = np.asarray(true_volume[...], dtype=np.float32)
     with read_hdf5(prediction) as f:
         pred = f[HYDRO_DATASET][...]
-    true = np.asarray(true_volume[...], dtype=np.float32)
     if true.shape != pred.shape:
         raise DataError(f"{truth}: true hydro {true.shape} and prediction {pred.shape} differ")
     norm = Normalization.from_attrs(attrs)
     metrics = compare(pred, true, norm)
     metrics["files"] = {"prediction": str(prediction), "truth": str(truth)}
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
-    input_volume, _ = _open(inputs, NBODY_DATASET, layout)
+    with _opened(inputs, NBODY_DATASET, layout) as (input_volume, _):
+        input_array = np.asarray(input_volume[...], dtype=np.float32)
     slices(
-        np.asarray(input_volume[...], dtype=np.float32),
+        input_array,
         true,
         pred,
         path=out_dir / "slices.png",

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from pipeline.crops import CropBatcher
-from pipeline.loaders import LoaderSettings, build_loader, dali_installed, to_device
+from pipeline.loaders import LoaderSettings, build_loader, dali_installed
 from pipeline.sampling import Augmenter, DrawPlan
+from pipeline.storage import to_device
 from pipeline.volumes import VolumeFiles, VolumePair
 from tests.conftest import EveryRotation
 

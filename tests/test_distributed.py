@@ -23,6 +23,24 @@ def _summary(run_dir):
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def test_two_ranks_share_one_host_copy_and_draw_the_samples_of_their_own_reads(tmp_path):
+    """Host storage on a node of two ranks: one copy in shared memory, read by the first rank; each rank's batches and
+    the weights equal those of the same run reading its crops from the file itself (lazy), and nothing stays in
+    /dev/shm."""
+    summaries = {}
+    for storage in ("host", "lazy"):
+        run = tmp_path / storage
+        args = shared_tiny_args(tmp_path, run, "--num_epochs", "1", "--storage", storage, data="dist-data")
+        result = _run([*DEEPSPEED, "--num_gpus", "2", "ds_train.py", *args])
+        assert result.returncode == 0, result.stderr[-3000:]
+        summaries[storage] = _summary(run)
+        if storage == "host":
+            assert "of volumes, one copy per node" in (run / "train.log").read_text()
+    for key in ("rank_first_batch_digests", "rank_weight_digests", "final_val_loss"):
+        assert summaries["host"][key] == summaries["lazy"][key], key
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(("cosmo-emulator-", "deepspeed_allreduce_buffer"))]
+
+
 @pytest.mark.parametrize(
     "launcher",
     [[*DEEPSPEED, "--num_gpus", "2"], TORCHRUN],
@@ -280,9 +298,10 @@ def test_a_save_failing_on_one_rank_ends_every_rank_at_once(tmp_path):
     )
     assert first.returncode == 0, first.stderr[-3000:]
     largest = max(p.stat().st_size for p in (run / "checkpoints" / "step00000016").iterdir())
+    # storage lazy: the limit would also refuse host storage's shared copy, a file in /dev/shm
     rank0_limited = (
         f"trap '' XFSZ; if [ \"$RANK\" = 0 ]; then ulimit -f {largest // 1024 // 2}; fi; "
-        f"exec {sys.executable} ds_train.py --run_dir {run} --resume --dist_timeout_s 600"
+        f"exec {sys.executable} ds_train.py --run_dir {run} --resume --dist_timeout_s 600 --storage lazy"
     )
     start = time.time()
     result = _run([*TORCHRUN, "--no-python", "bash", "-c", rank0_limited])

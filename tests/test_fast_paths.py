@@ -10,8 +10,9 @@ import torch
 
 from model import Loss, UNet
 from pipeline.crops import CropBatcher
-from pipeline.loaders import LoaderSettings, build_loader, dali_installed, to_device
+from pipeline.loaders import LoaderSettings, build_loader, dali_installed
 from pipeline.sampling import Augmenter, DrawPlan
+from pipeline.storage import to_device
 from pipeline.volumes import VolumeFiles, VolumePair
 from tests.conftest import REPO, EveryRotation, run_train, single_process_env, tiny_args
 

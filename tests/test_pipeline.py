@@ -11,9 +11,10 @@ import torch
 
 from pipeline.crops import CropBatcher
 from pipeline.dali import BatcherCrops, DaliLoader
-from pipeline.loaders import LoaderSettings, build_loader, effective_storage, resolve_backend
+from pipeline.loaders import LoaderSettings, build_loader, resolve_backend
 from pipeline.rotations import ROTATIONS
 from pipeline.sampling import Augmenter, DrawPlan, train_draw, val_draw
+from pipeline.storage import STORAGES
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
 from tests.conftest import EveryRotation
 
@@ -142,9 +143,10 @@ def test_every_storage_mode_format_and_backend_gives_the_reference_samples(tmp_p
 
 
 def test_device_storage_falls_back_to_host_without_a_gpu(caplog):
-    assert effective_storage("device", "cpu") == "host"
+    assert STORAGES["device"].for_device("cpu") is STORAGES["host"]
     assert "needs a GPU" in caplog.text
-    assert effective_storage("device", "cuda") == "device" and effective_storage("lazy", "cpu") == "lazy"
+    assert STORAGES["device"].for_device("cuda") is STORAGES["device"]
+    assert STORAGES["lazy"].for_device("cpu") is STORAGES["lazy"]
 
 
 def test_the_automatic_backend_is_dali_on_a_gpu_and_torch_on_a_cpu():
@@ -318,18 +320,18 @@ def test_convert_writes_npy_the_npy_format_reads(tmp_path, tiny_data, volumes, l
 
 
 def test_host_memory_that_cannot_fit_is_refused_before_loading(volumes, monkeypatch):
-    import pipeline.loaders as loaders
+    """Host storage counts one copy of the volumes per node and each rank's batch buffers; lazy storage the buffers."""
+    import pipeline.storage as storage
 
-    settings = LoaderSettings(backend="dali", storage="host", device_storage_dtype="float32", threads=1, lookahead=1)
-    buffers = 1000
-    monkeypatch.setattr(loaders, "_available_host_bytes", lambda: (volumes.nbytes + buffers) * 3)
-    loaders.check_memory([volumes], settings, local_ranks=3, buffer_bytes=buffers)  # fits: 3 ranks
-    with pytest.raises(DataError, match="storage 'host' needs .* of host memory on this node"):
-        loaders.check_memory([volumes], settings, local_ranks=3, buffer_bytes=buffers + 1)
-    lazy = LoaderSettings(backend="dali", storage="lazy", device_storage_dtype="float32", threads=1, lookahead=1)
-    loaders.check_memory([volumes], lazy, local_ranks=3, buffer_bytes=volumes.nbytes + buffers)
-    with pytest.raises(DataError, match=r"storage 'lazy' needs .* batch buffers\) .*: lower data_prefetch"):
-        loaders.check_memory([volumes], lazy, local_ranks=4, buffer_bytes=volumes.nbytes + buffers)
+    host, lazy, buffers = STORAGES["host"], STORAGES["lazy"], 1000
+    monkeypatch.setattr(storage, "available_host_bytes", lambda: volumes.nbytes + 3 * buffers)
+    check = dict(local_ranks=3, device_dtype="float32")
+    storage.check_memory([volumes], host, buffer_bytes=buffers, **check)  # fits: one copy for the 3 ranks
+    with pytest.raises(DataError, match="storage 'host' needs .* of host memory on this node .*one copy per node"):
+        storage.check_memory([volumes], host, buffer_bytes=buffers + 1, **check)
+    storage.check_memory([volumes], lazy, buffer_bytes=volumes.nbytes // 3 + buffers, **check)
+    with pytest.raises(DataError, match=r"storage 'lazy' needs .* batch buffers per rank\) .*: lower data_prefetch"):
+        storage.check_memory([volumes], lazy, buffer_bytes=volumes.nbytes // 3 + buffers + 1, **check)
 
 
 @pytest.mark.parametrize("backend, storage", [("torch", "host"), ("torch", "lazy"), ("dali", "lazy")])

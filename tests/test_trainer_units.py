@@ -22,15 +22,17 @@ def test_validation_share(num, batch, policy, world, expected):
 
 
 def test_data_keys_that_the_storage_mode_does_not_use():
+    from pipeline.storage import DEVICE, HOST, LAZY
+
     tuned = Config(num_data_workers=8, data_prefetch=4, device_storage_dtype="float16")
     # The GPU cuts the crops: no CPU threads; the torch backend prefetches nothing there, DALI does.
-    assert unused_data_keys(tuned, "device", "torch", device_type="cuda") == ["num_data_workers", "data_prefetch"]
-    assert unused_data_keys(tuned, "device", "dali", device_type="cuda") == ["num_data_workers"]
-    assert unused_data_keys(tuned, "host", "dali", device_type="cuda") == ["device_storage_dtype"]
-    assert unused_data_keys(tuned, "lazy", "torch", device_type="cpu") == ["device_storage_dtype"]
+    assert unused_data_keys(tuned, DEVICE, "torch", device_type="cuda") == ["num_data_workers", "data_prefetch"]
+    assert unused_data_keys(tuned, DEVICE, "dali", device_type="cuda") == ["num_data_workers"]
+    assert unused_data_keys(tuned, HOST, "dali", device_type="cuda") == ["device_storage_dtype"]
+    assert unused_data_keys(tuned, LAZY, "torch", device_type="cpu") == ["device_storage_dtype"]
     assert (
-        unused_data_keys(Config(), "device", "dali", device_type="cuda")
-        == unused_data_keys(Config(), "lazy", "torch", device_type="cpu")
+        unused_data_keys(Config(), DEVICE, "dali", device_type="cuda")
+        == unused_data_keys(Config(), LAZY, "torch", device_type="cpu")
         == []
     )
 

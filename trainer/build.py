@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,16 +20,10 @@ import torch.distributed as torch_dist
 
 from model import Loss, UNet, UNetSpec
 from model.metrics import Normalization
-from pipeline.loaders import (
-    LoaderSettings,
-    batch_buffer_bytes,
-    build_loader,
-    check_memory,
-    dali_installed,
-    effective_storage,
-    resolve_backend,
-)
+from pipeline.loaders import LoaderSettings, batch_buffer_bytes, build_loader, dali_installed, resolve_backend
 from pipeline.sampling import Augmenter, DrawPlan
+from pipeline.shared import Node
+from pipeline.storage import STORAGES, StorageMode, check_memory
 from pipeline.synthetic import ensure_boxes
 from pipeline.volumes import VolumeFiles, VolumePair, target_attributes
 from trainer.config import Config, channels_last_on, to_dict
@@ -48,7 +43,7 @@ from trainer.lr_schedule import ScaledCosineSchedule, peak_lr, warmup_applies
 log = logging.getLogger(__name__)
 
 
-def unused_data_keys(cfg: Config, storage: str, backend: str, *, device_type: str) -> list[str]:
+def unused_data_keys(cfg: Config, storage: StorageMode, backend: str, *, device_type: str) -> list[str]:
     """Keys set away from their defaults that the effective ``storage`` mode, ``backend`` and device do not use
     (each key's ``unused`` rule, beside its definition in ``trainer.config``)."""
     return [
@@ -135,9 +130,10 @@ class RunData:
     settings: LoaderSettings  # its storage is what this device can do of cfg.storage; its backend, auto resolved
     train: VolumePair
     val: VolumePair
+    node: Node  # shares loaded copies among this node's ranks
 
     def _loader(
-        self, volumes: VolumePair, plan: DrawPlan, device: Device, *, dtype: torch.dtype, **position: int
+        self, volumes: VolumePair, plan: DrawPlan, device: Device, *, dtype: torch.dtype, split: str, **position: int
     ) -> Any:
         cfg = self.cfg
         augmenter = Augmenter(
@@ -147,7 +143,17 @@ class RunData:
             out_vectors=cfg.target_vectors,
         )
         where = torch.device(device.type, device.index)
-        return build_loader(volumes, plan, augmenter, settings=self.settings, device=where, dtype=dtype, **position)
+        return build_loader(
+            volumes,
+            plan,
+            augmenter,
+            settings=self.settings,
+            device=where,
+            dtype=dtype,
+            node=self.node,
+            split=split,
+            **position,
+        )
 
     def train_loader(
         self,
@@ -171,7 +177,8 @@ class RunData:
             crop_size=cfg.data_size,
             rotate=cfg.rotate,
         )
-        return self._loader(self.train, plan, device, dtype=dtype, first_epoch=first_epoch, first_batch=first_batch)
+        position = {"first_epoch": first_epoch, "first_batch": first_batch}
+        return self._loader(self.train, plan, device, dtype=dtype, split="train", **position)
 
     def val_loader(self, dist: DistEnv, micro: int, device: Device, *, dtype: torch.dtype) -> Any:
         """This rank's share of the validation samples."""
@@ -196,13 +203,13 @@ class RunData:
             validation=True,
             first_index=first,
         )
-        return self._loader(self.val, plan, device, dtype=dtype)
+        return self._loader(self.val, plan, device, dtype=dtype, split="val")
 
 
 def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
     """The storage mode and backend for this device (said once, with the keys they leave unused), the volumes
     opened and checked (shapes, channels, NaN or Inf), and the host or GPU memory they need checked."""
-    storage = effective_storage(cfg.storage, device.type)
+    storage = STORAGES[cfg.storage].for_device(device.type)
     backend = resolve_backend(cfg.backend, device.type, storage)
     if cfg.backend == "auto":
         log.info("backend: %s (auto, on a %s, storage %s)", backend, "GPU" if device.type == "cuda" else "CPU", storage)
@@ -220,9 +227,11 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
     )
     if cfg.science_box_size is not None and cfg.science_box_size > val.box_size:
         raise ConfigError(f"science_box_size {cfg.science_box_size} is larger than the validation box ({val.box_size})")
-    if cfg.data_checks != "none":
+    node = node_of(dist, device)
+    if cfg.data_checks != "none":  # by each node's first rank: a box is read once per node
         for volumes in (train, val):
-            volumes.check_finite(cfg.data_size, seed=cfg.seed)
+            check = lambda v=volumes: v.check_finite(cfg.data_size, seed=cfg.seed)  # noqa: E731
+            node.on_first(check, f"the data check of {volumes.files.inputs}")
     settings = LoaderSettings(
         backend=backend,
         storage=storage,
@@ -234,8 +243,29 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
     micro = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size).micro_batch
     channels = cfg.N_in_channels + cfg.N_out_channels
     buffers = batch_buffer_bytes(settings, micro, cfg.data_size, channels=channels, data_format=cfg.data_format)
-    check_memory([train, val], settings, dist.local_world_size, buffer_bytes=buffers)
-    return RunData(cfg=cfg, settings=settings, train=train, val=val)
+    check_memory(
+        [train, val],
+        storage,
+        buffer_bytes=buffers,
+        local_ranks=dist.local_world_size,
+        device_dtype=cfg.device_storage_dtype,
+    )
+    return RunData(cfg=cfg, settings=settings, train=train, val=val, node=node)
+
+
+def node_of(dist: DistEnv, device: Device) -> Node:
+    """This rank's node for the shared copies: its place there, how the ranks agree (one small all-reduce), and the
+    name rank 0 gives this run's segments."""
+    where = torch.device(device.type, device.index) if device.type == "cuda" else torch.device("cpu")
+
+    def agree(*, failed: bool) -> bool:
+        flag = torch.tensor([float(failed)], device=where)
+        torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    key = [f"{os.getuid()}-{os.getpid()}-{time.strftime('%Y%m%d%H%M%S')}"]
+    torch_dist.broadcast_object_list(key, src=0)
+    return Node(local_rank=dist.local_rank, local_ranks=dist.local_world_size, agree=agree, key=key[0])
 
 
 def engine_config(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
@@ -360,7 +390,7 @@ def run_facts(setup: EngineSetup, data: RunData, dist: DistEnv) -> dict[str, Any
         "global_batch": engine.train_batch_size(),
         "precision": precision_name(setup.dtype),
         "zero_stage": engine.zero_optimization_stage(),
-        "storage": data.settings.storage,
+        "storage": data.settings.storage.name,
         "backend": data.settings.backend,
         "parameters": setup.parameters,
     }

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.accelerator import get_accelerator
 
+from pipeline.shared import PREFIX as SHARED_PREFIX
+from pipeline.shared import SHM, reclaim_stale
 from trainer.errors import DistError
 from trainer.op_builds import jit_built, settle_build_lock
 from trainer.provenance import cpu_info
@@ -349,6 +351,35 @@ def _start_process_group(dist: DistEnv, backend: str, gpu: int | None, *, timeou
         raise DistError(f"rank {dist.rank}: the {backend} backend could not start: {text[:300]}") from None
 
 
+def _cpu_comm_buffers(uid: int) -> str:
+    """The name prefix of DeepSpeed's CPU all-reduce segments in /dev/shm (its shm.cpp: one per rank)."""
+    return f"deepspeed_allreduce_buffer_{uid}_"
+
+
+def reclaim_shared_memory() -> None:
+    """Unlink the segments in /dev/shm that killed runs of this user left (the project's shared copies, DeepSpeed's
+    CPU all-reduce buffers) and that no process maps any more, in one line."""
+    stale = reclaim_stale([SHARED_PREFIX, _cpu_comm_buffers(os.getuid())])
+    if stale:
+        log.warning(
+            "reclaimed %d shared-memory segment(s) in %s that ended runs left behind (%s)",
+            len(stale),
+            SHM,
+            ", ".join(p.name for p in stale[:4]) + (", ..." if len(stale) > 4 else ""),
+        )
+
+
+def _release_cpu_comm_buffers(dist: DistEnv) -> None:
+    """DeepSpeed's CPU all-reduce maps a segment of /dev/shm per rank and leaves it there when the run ends. Each rank
+    maps all of them while DeepSpeed starts, so once every rank is past that their names go: the memory goes with
+    the last rank that maps it, however the run ends."""
+    torch_dist.barrier()
+    if dist.local_rank == 0:
+        prefix = f"{_cpu_comm_buffers(os.getuid())}{dist.master_addr}_{dist.master_port}_"
+        for path in SHM.glob(f"{prefix}*"):
+            path.unlink(missing_ok=True)
+
+
 def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
     """Start torch.distributed (NCCL on GPUs, gloo on CPUs) and pick this rank's device.
 
@@ -373,8 +404,12 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
             announce_cpu_comm_build()
         settle_build_lock(_CPU_COMM_OP, clears=dist.local_rank == 0)
     backend = "nccl" if device_type == "cuda" else "gloo"
+    if dist.local_rank == 0:
+        reclaim_shared_memory()
     _start_process_group(dist, backend, index, timeout_s=timeout_s)
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))  # wraps the group
+    if device_type == "cpu":
+        _release_cpu_comm_buffers(dist)
     started = {"launcher": "a launcher's variables", "slurm": "srun's variables", "single": "no launcher"}[dist.source]
     log.info(
         "rank %d of %d on %s (local rank %d of %d on this node), from %s; rendezvous %s:%d",

@@ -17,7 +17,7 @@ from pipeline.synthetic import SyntheticSpec
 from trainer.errors import ConfigError
 
 Bound = Literal["positive", "non-negative"]
-# Which storage modes, backends and devices leave a data key unused: (cfg, effective storage, backend, device type).
+# Which storage modes, backends and devices leave a data key unused: (cfg, effective StorageMode, backend, device type).
 Unused = typing.Callable[["Config", str, str, str], bool]
 
 
@@ -111,7 +111,7 @@ class Config:
         "precision of the input volume kept on the GPU (storage device); float16 halves it (the targets stay float32, "
         "the precision of the loss)",
         resumable=True,
-        unused=lambda cfg, storage, backend, device: storage != "device",
+        unused=lambda cfg, storage, backend, device: not storage.on_device,
     )
     backend: Literal["auto", "dali", "torch"] = _field(
         "auto",
@@ -140,7 +140,7 @@ class Config:
         "threads per rank cutting crops on the CPU",
         bound="positive",
         resumable=True,
-        unused=lambda cfg, storage, backend, device: storage == "device",
+        unused=lambda cfg, storage, backend, device: storage.on_device,
         tunable=True,
     )
     data_prefetch: int = _field(
@@ -148,7 +148,7 @@ class Config:
         "batches cut ahead of the one being trained on",
         bound="non-negative",
         resumable=True,
-        unused=lambda cfg, storage, backend, device: storage == "device" and backend == "torch",
+        unused=lambda cfg, storage, backend, device: storage.on_device and backend == "torch",
     )
     # Model
     unet_width: int = _field(64, "channels of the first U-Net level (64 in the reference)", bound="positive")
