@@ -26,7 +26,7 @@ from bench.cases import PRECISIONS, TrainCase, bf16_supported, launch, rounds
 from bench.train import RESULTS, parse_args
 from common.cli import ArgumentParser, output_file
 from pipeline.loaders import dali_installed, resolve_backend
-from pipeline.storage import STORAGES
+from pipeline.storage import HOST, STORAGES
 from pipeline.synthetic import ensure_boxes
 from trainer.build import engine_config
 from trainer.config import Config
@@ -306,7 +306,8 @@ def check_cases(base: list[str], cases: list[TrainCase], args: argparse.Namespac
             DeepSpeedConfig({**ds_config, "train_batch_size": plan.micro_batch * plan.accumulation})
         except (ValueError, TypeError, AssertionError) as err:
             sys.exit(f"case {case.label!r}: DeepSpeed rejects its config: {' '.join(str(err).split())}")
-        if resolve_backend(cfg.backend, device_type, STORAGES[cfg.storage]) == "dali" and not dali_installed():
+        mode = STORAGES.get(cfg.storage, HOST)  # auto may keep host storage, which DALI reads on a GPU
+        if resolve_backend(cfg.backend, device_type, mode) == "dali" and not dali_installed():
             sys.exit(f"case {case.label!r}: backend dali, but NVIDIA DALI is not installed here: add --backend torch")
         checked.append((options, cfg, ds_config))
     return checked

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench.cases import PRECISIONS, bf16_supported, precision_of
 from pipeline.loaders import dali_installed, resolve_backend
-from pipeline.storage import STORAGES
+from pipeline.storage import DEVICE, HOST, STORAGES
 from trainer.config import Config, channels_last_on
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ def _threads(tuner: Tuner, cfg: Config, template: dict[str, Any]) -> Found:
 
 
 def _data_threads(tuner: Tuner, cfg: Config, template: dict[str, Any]) -> Found:
-    if STORAGES[cfg.storage].on_device:
+    if STORAGES.get(cfg.storage) is DEVICE:
         return "with storage device the crops are cut by the training device, not by data threads"
     now = cfg.num_data_workers
     return _choices("data_threads", "num_data_workers", sorted({1, 2, 4, now}), now=now, label="{} data threads")
@@ -136,7 +136,7 @@ def _storage(tuner: Tuner, cfg: Config, template: dict[str, Any]) -> Found:
 
 
 def _backend(tuner: Tuner, cfg: Config, template: dict[str, Any]) -> Found:
-    now = resolve_backend(cfg.backend, tuner.device_type, STORAGES[cfg.storage])
+    now = resolve_backend(cfg.backend, tuner.device_type, STORAGES.get(cfg.storage, HOST))  # auto: host's, at most
     found = _choices("backend", "backend", ["torch", "dali"], now=now, label="backend {}")
     if not dali_installed():
         found[1].status, found[1].reason = "not available here", "NVIDIA DALI is not installed"

@@ -168,6 +168,38 @@ LAZY, HOST, DEVICE = Lazy(), Host(), Device()
 STORAGES: dict[str, StorageMode] = {mode.name: mode for mode in (LAZY, HOST, DEVICE)}
 
 
+KEPT_FREE = 0.1  # the share of a memory storage auto leaves free: allocators' slack, what the estimates miss
+
+
+def choose_storage(
+    *,
+    volume_bytes: int,
+    on_gpu: int | None,
+    gpu_free: int | None,
+    training: int,
+    host_available: int | None,
+    buffer_bytes: int,
+    local_ranks: int,
+) -> tuple[StorageMode, str]:
+    """``storage: auto``: device where the volumes (``on_gpu`` bytes there) and the training fit a GPU's free memory
+    with KEPT_FREE to spare, else host where one copy per node and the ranks' buffers fit its memory so, else lazy;
+    with the reason, in words."""
+    spare = 1 - KEPT_FREE
+    gpu = ""
+    if gpu_free is not None and on_gpu is not None:
+        need = on_gpu + training
+        figures = f"the volumes ({size_text(on_gpu)}) and the training (about {size_text(training)})"
+        if need <= spare * gpu_free:
+            return DEVICE, f"{figures} fit in the GPU's {size_text(gpu_free)} free"
+        gpu = f"{figures} need {size_text(need)} of the GPU's {size_text(gpu_free)} free; "
+    host = HOST.host_bytes(volume_bytes, buffer_bytes=buffer_bytes, local_ranks=local_ranks)
+    node = f"one copy per node and the batch buffers ({size_text(host)})"
+    if host_available is None or host <= spare * host_available:
+        available = "?" if host_available is None else size_text(host_available)
+        return HOST, f"{gpu}{node} fit in the {available} of host memory available"
+    return LAZY, f"{gpu}{node} need more than the {size_text(host_available)} of host memory available"
+
+
 def mode_of(storage: StorageMode | str) -> StorageMode:
     """The mode itself, or the mode of that name."""
     return STORAGES[storage] if isinstance(storage, str) else storage

@@ -16,9 +16,9 @@ def _ok(result):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """Three epochs in one go (the reference for the resume test)."""
+    """Three epochs in one go (the reference for the resume test), the storage chosen by what fits."""
     root = tmp_path_factory.mktemp("straight")
-    _ok(run_train(shared_tiny_args(root, root / "run", "--num_epochs", "3")))
+    _ok(run_train(shared_tiny_args(root, root / "run", "--num_epochs", "3", "--storage", "auto")))
     return root / "run"
 
 
@@ -39,6 +39,8 @@ def test_training_learns_and_leaves_a_complete_run_dir(straight):
     assert summary["final_val_loss"] < 0.7 * summary["initial_val_loss"]
     assert (summary["epochs"], summary["steps"], summary["world_size"], summary["precision"]) == (3, 48, 1, "fp32")
     assert summary["samples_per_s"] > 0
+    assert summary["storage"] == "host"  # auto, on a CPU with room for the boxes
+    assert "storage auto: host (one copy per node and the batch buffers (" in (straight / "train.log").read_text()
 
     resolved = json.loads((straight / "config.json").read_text())
     assert resolved["name"] == "debug" and resolved["config"]["num_epochs"] == 3

@@ -59,7 +59,14 @@ def test_a_micro_batch_that_does_not_fit_is_one_line_saying_what_to_lower():
     bare = str(out_of_memory(torch.OutOfMemoryError("out of memory"), 8, 32, device="cuda:1", where=where))
     assert bare.startswith("a micro-batch of 8 crops of 32^3 does not fit in the memory of cuda:1 at epoch 1, batch 1")
     assert "): lower" not in bare and ": lower micro_batch_size" in bare
-    assert "\n" not in line + bare
+    resident = str(
+        out_of_memory(torch.OutOfMemoryError(torch_says), 64, 64, device="cuda:0", where=where, volumes="31.50 GiB")
+    )
+    assert (
+        "free of 139.81 GiB): set storage: host (the volumes take 31.50 GiB of it), or lower micro_batch_size"
+        in resident
+    )
+    assert "\n" not in line + bare + resident
 
 
 def test_channels_last_is_on_by_default_with_a_gpu_only():

@@ -19,11 +19,22 @@ import torch
 import torch.distributed as torch_dist
 
 from model import Loss, UNet, UNetSpec
+from model.memory import training_bytes
 from model.metrics import Normalization
 from pipeline.loaders import LoaderSettings, batch_buffer_bytes, build_loader, dali_installed, resolve_backend
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.shared import Node
-from pipeline.storage import STORAGES, StorageMode, check_memory
+from pipeline.storage import (
+    DEVICE,
+    HOST,
+    LAZY,
+    STORAGES,
+    StorageMode,
+    available_host_bytes,
+    check_memory,
+    choose_storage,
+    device_bytes,
+)
 from pipeline.synthetic import ensure_boxes
 from pipeline.volumes import VolumeFiles, VolumePair, target_attributes
 from trainer.config import Config, channels_last_on, to_dict
@@ -207,9 +218,23 @@ class RunData:
 
 
 def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
-    """The storage mode and backend for this device (said once, with the keys they leave unused), the volumes
-    opened and checked (shapes, channels, NaN or Inf), and the host or GPU memory they need checked."""
-    storage = STORAGES[cfg.storage].for_device(device.type)
+    """The volumes opened and checked (shapes, channels, NaN or Inf), the storage mode (``auto`` chosen by what
+    fits) and backend for this device, said once with the keys they leave unused, and the memory they need checked."""
+    if cfg.science_box_size is not None and not cfg.science_every_epochs:
+        log.warning("science_box_size has no effect without science_every_epochs")
+    train, val = (
+        VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, crop_size=cfg.data_size)
+        for split in ("train", "val")
+    )
+    if cfg.science_box_size is not None and cfg.science_box_size > val.box_size:
+        raise ConfigError(f"science_box_size {cfg.science_box_size} is larger than the validation box ({val.box_size})")
+    micro = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size).micro_batch
+    channels = cfg.N_in_channels + cfg.N_out_channels
+    storage = (
+        STORAGES[cfg.storage].for_device(device.type)
+        if cfg.storage != "auto"
+        else _auto_storage(cfg, dist, device, volumes=[train, val], micro=micro)
+    )
     backend = resolve_backend(cfg.backend, device.type, storage)
     if cfg.backend == "auto":
         log.info("backend: %s (auto, on a %s, storage %s)", backend, "GPU" if device.type == "cuda" else "CPU", storage)
@@ -217,16 +242,8 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
         raise ConfigError(
             "backend: dali needs NVIDIA DALI, not installed here (requirements.txt); or set backend: torch"
         )
-    if cfg.science_box_size is not None and not cfg.science_every_epochs:
-        log.warning("science_box_size has no effect without science_every_epochs")
     for key in unused_data_keys(cfg, storage, backend, device_type=device.type):
         log.warning("%s has no effect with storage '%s' (backend %s)", key, storage, backend)
-    train, val = (
-        VolumePair.open(volume_files(cfg, split), cfg.N_in_channels, cfg.N_out_channels, crop_size=cfg.data_size)
-        for split in ("train", "val")
-    )
-    if cfg.science_box_size is not None and cfg.science_box_size > val.box_size:
-        raise ConfigError(f"science_box_size {cfg.science_box_size} is larger than the validation box ({val.box_size})")
     node = node_of(dist, device)
     if cfg.data_checks != "none":  # by each node's first rank: a box is read once per node
         for volumes in (train, val):
@@ -240,8 +257,6 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
         lookahead=cfg.data_prefetch,
         channels_last=channels_last_on(cfg, device.type),
     )
-    micro = plan_batches(cfg.global_batch_size, cfg.micro_batch_size, dist.world_size).micro_batch
-    channels = cfg.N_in_channels + cfg.N_out_channels
     buffers = batch_buffer_bytes(settings, micro, cfg.data_size, channels=channels, data_format=cfg.data_format)
     check_memory(
         [train, val],
@@ -251,6 +266,56 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
         device_dtype=cfg.device_storage_dtype,
     )
     return RunData(cfg=cfg, settings=settings, train=train, val=val, node=node)
+
+
+def _auto_storage(cfg: Config, dist: DistEnv, device: Device, *, volumes: list[VolumePair], micro: int) -> StorageMode:
+    """``storage: auto``: what fits, by ``choose_storage``; every rank takes the most frugal choice any rank made
+    (a node with less memory, a GPU with less free), so that they keep their volumes alike."""
+    ds_config = engine_config(cfg, dist.world_size, device.type)
+    half = (
+        "fp16"
+        if ds_config.get("fp16", {}).get("enabled")
+        else "bf16"
+        if ds_config.get("bf16", {}).get("enabled")
+        else None
+    )
+    training = training_bytes(
+        UNetSpec.from_config(to_dict(cfg)), crop=cfg.data_size, micro_batch=micro, precision=half or "fp32"
+    )
+    on_gpu = device.type == "cuda"
+    budget = dict(
+        volume_bytes=sum(v.nbytes for v in volumes),
+        on_gpu=device_bytes(volumes, cfg.device_storage_dtype) if on_gpu else None,
+        gpu_free=torch.cuda.mem_get_info(device.index)[0] if on_gpu else None,
+        training=training,
+        host_available=available_host_bytes(),
+        local_ranks=dist.local_world_size,
+    )
+    mine, why = choose_storage(buffer_bytes=_auto_buffer_bytes(cfg, micro), **budget)
+    order = [LAZY, HOST, DEVICE]
+    choice = torch.tensor(
+        [float(order.index(mine))], device=torch.device(device.type, device.index) if on_gpu else "cpu"
+    )
+    torch_dist.all_reduce(choice, op=torch_dist.ReduceOp.MIN)
+    agreed = order[int(choice.item())]
+    if agreed is mine:
+        log.info("storage auto: %s (%s)", agreed, why)
+    else:
+        log.info("storage auto: %s, as another rank could not keep them so (here: %s, as %s)", agreed, mine, why)
+    return agreed
+
+
+def _auto_buffer_bytes(cfg: Config, micro: int) -> int:
+    """The batch buffers host storage would take per rank, for ``storage: auto`` to weigh."""
+    settings = LoaderSettings(
+        backend=resolve_backend(cfg.backend, "cpu", HOST) if cfg.backend == "auto" else cfg.backend,
+        storage=HOST,
+        device_storage_dtype=cfg.device_storage_dtype,
+        threads=cfg.num_data_workers,
+        lookahead=cfg.data_prefetch,
+    )
+    channels = cfg.N_in_channels + cfg.N_out_channels
+    return batch_buffer_bytes(settings, micro, cfg.data_size, channels=channels, data_format=cfg.data_format)
 
 
 def node_of(dist: DistEnv, device: Device) -> Node:

@@ -20,6 +20,7 @@ import torch.distributed as torch_dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from pipeline.storage import device_bytes, size_text
 from trainer.build import build_data, build_engine, build_loss, run_facts
 from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import Config
@@ -181,8 +182,14 @@ class Trainer:
         except torch.OutOfMemoryError as err:
             log.debug("out of memory at %s: %s", self._where(), err)
             micro = self.engine.train_micro_batch_size_per_gpu()
+            data = self.data
+            resident = data.settings.storage.on_device
+            volumes = (
+                size_text(device_bytes([data.train, data.val], self.cfg.device_storage_dtype)) if resident else None
+            )
+            where = self._where()
             raise out_of_memory(
-                err, micro, self.cfg.data_size, device=device_name(self.device), where=self._where()
+                err, micro, self.cfg.data_size, device=device_name(self.device), where=where, volumes=volumes
             ) from None
 
     def _train(self) -> dict[str, Any]:

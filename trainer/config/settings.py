@@ -99,10 +99,12 @@ class Config:
         "/data/downsamp_1024crop_valid_label.npy", "validation targets as .npy", path="npy", resumable=True
     )
     npy_layout: Literal["CDHW", "DHWC"] = _field("CDHW", "axis order of the .npy volumes: channels first or last")
-    storage: Literal["lazy", "host", "device"] = _field(
+    storage: Literal["auto", "lazy", "host", "device"] = _field(
+        "auto",
+        "lazy: read each crop from the files (the reference's lowmem); host: load the volumes into memory, one copy "
+        "per node (inmem); device: load them into GPU memory and cut crops there (falls back to host without a GPU); "
+        "auto: device where the volumes and the training fit the GPU, else host where the node's memory fits, else "
         "lazy",
-        "lazy: read each crop from the files (the reference's lowmem); host: load the volumes into memory (inmem); "
-        "device: load them into GPU memory and cut crops there (falls back to host without a GPU)",
         resumable=True,
         tunable=True,
     )
