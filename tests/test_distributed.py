@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,6 +22,19 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
 
 def _summary(run_dir):
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_a_timed_cadence_saves_where_every_rank_agrees(tmp_path):
+    """Two ranks, a clock always due: each log point (every 4 steps) is a save that both ranks make at the same step
+    (a rank that disagreed would leave the other in DeepSpeed's collective save)."""
+    run = tmp_path / "run"
+    cadence = ["--checkpoint_every_epochs", "0", "--checkpoint_every_minutes", "0.0001", "--checkpoint_keep", "8"]
+    args = shared_tiny_args(tmp_path, run, "--num_epochs", "1", "--log_every_steps", "4", *cadence, data="dist-data")
+    result = _run([*TORCHRUN, "ds_train.py", *args])
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = re.findall(r"checkpoint (step\d+) saved", (run / "train.log").read_text())
+    assert saved == ["step00000004", "step00000008", "step00000012", "step00000016"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", *saved]
 
 
 def test_two_ranks_share_one_host_copy_and_draw_the_samples_of_their_own_reads(tmp_path):

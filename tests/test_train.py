@@ -1,6 +1,7 @@
 """ds_train.py end to end, as a user runs it: real DeepSpeed engine, real DALI pipeline, real files."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -84,6 +85,25 @@ def test_resume_continues_exactly(tmp_path, straight):
     assert resumed["resumed_from"] == {"epoch": 2, "batch_in_epoch": 0}
     assert resumed["initial_val_loss"] == expected["initial_val_loss"]
     assert resumed["final_val_loss"] == expected["final_val_loss"]  # bit for bit: same draws, same state
+
+
+def test_a_step_cadence_saves_mid_epoch_and_resumes_from_there_exactly(tmp_path, straight):
+    """Every 20 optimizer steps and at the end, none at the epochs' ends (16 steps each): a resume from step 20, 4
+    batches into the second epoch, ends bit for bit where the uninterrupted run ended."""
+    run = tmp_path / "run"
+    cadence = ["--checkpoint_every_epochs", "0", "--checkpoint_every_steps", "20", "--checkpoint_keep", "5"]
+    _ok(run_train(shared_tiny_args(tmp_path, run, "--num_epochs", "3", *cadence)))
+    ckpt = run / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step00000020", "step00000040", "step00000048"]
+    for later in ("step00000040", "step00000048"):  # as if the run had been killed after step 20's checkpoint
+        shutil.rmtree(ckpt / later)
+    (ckpt / "latest").write_text("step00000020")
+    _ok(run_train(["--run_dir", str(run), "--resume"]))
+    resumed = json.loads((run / "summary.json").read_text())
+    expected = json.loads((straight / "summary.json").read_text())
+    assert resumed["resumed_from"] == {"epoch": 1, "batch_in_epoch": 4}
+    assert resumed["final_val_loss"] == expected["final_val_loss"]
+    assert resumed["rank_weight_digests"] == expected["rank_weight_digests"]
 
 
 def test_backends_and_storage_modes_train_identically(tmp_path, straight):

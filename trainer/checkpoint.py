@@ -20,7 +20,10 @@ import pickle
 import re
 import resource
 import shutil
+import threading
+import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -124,55 +127,113 @@ def _publish(ckpt_dir: Path, partial: str, tag: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(engine: Any, run_dir: Path, client_state: dict[str, Any], *, keep: int) -> str:
-    """Save the engine's state as the newest checkpoint, on every rank; returns its tag.
+@dataclass(kw_only=True)
+class Cadence:
+    """When a run saves, besides on a stop: after every ``every_epochs``-th epoch and the last, every ``every_steps``
+    optimizer steps, and every ``every_minutes`` minutes (rank 0's clock, agreed by every rank at a log point)."""
 
-    Weights that are not finite are never saved (NumericalError). A write that fails on any rank is a CheckpointError on
-    every rank, the partial directory removed and the previous checkpoint left the latest; every rank makes the same
-    collectives whatever fails where.
-    """
-    ckpt_dir = run_dir / CHECKPOINT_DIR
-    tag = tag_for(engine.global_steps)
-    if not weights_are_finite(engine):
-        raise NumericalError(
-            f"weights at step {engine.global_steps} are not finite: not saving them (the last checkpoint is kept)"
-        )
-    rank = torch_dist.get_rank()
-    failed: Exception | None = None
-    if rank == 0:  # made here, so that DeepSpeed's own making of it, before its first barrier, cannot fail
+    every_epochs: int
+    every_steps: int | None = None
+    every_minutes: float | None = None
+    last_save: float = field(default_factory=time.monotonic)
+
+    def clock_due(self) -> bool:
+        return self.every_minutes is not None and time.monotonic() - self.last_save >= 60 * self.every_minutes
+
+    def after_step(self, step: int, *, timed: bool) -> bool:
+        return timed or bool(self.every_steps and step % self.every_steps == 0)
+
+    def after_epoch(self, epoch: int, *, last: int) -> bool:
+        return epoch == last or bool(self.every_epochs and epoch % self.every_epochs == 0)
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+
+class Checkpointer:
+    """Saves a run's checkpoints, on every rank alike. Rank 0 finishes each one (fsync of its files, the manifest's
+    checksums, the rename and ``latest``, the pruning) in a thread of its own while training goes on; the next save,
+    and ``finish``, wait for it first, and a failure there ends the run on every rank at that point."""
+
+    def __init__(self, engine: Any, run_dir: Path, *, keep: int) -> None:
+        self.engine, self.ckpt_dir, self.keep = engine, run_dir / CHECKPOINT_DIR, keep
+        self.rank = torch_dist.get_rank()
+        self._publishing: threading.Thread | None = None
+        self._published: tuple[str, Exception | None] | None = None  # the tag in the background, and its failure
+
+    def save(self, client_state: dict[str, Any], *, wait: bool = False) -> str:
+        """Save the engine's state as the newest checkpoint; returns its tag. With ``wait`` it is the latest on
+        disk when this returns (a stop, the end of training); else rank 0 finishes it in the background.
+
+        Weights that are not finite are never saved (NumericalError). A write that fails on any rank is a
+        CheckpointError on every rank, the partial directory removed and the previous checkpoint left the latest.
+        """
+        self.finish()
+        engine, ckpt_dir = self.engine, self.ckpt_dir
+        tag = tag_for(engine.global_steps)
+        if not weights_are_finite(engine):
+            raise NumericalError(
+                f"weights at step {engine.global_steps} are not finite: not saving them (the last checkpoint is kept)"
+            )
+        failed: Exception | None = None
+        if self.rank == 0:  # made here, so that DeepSpeed's own making of it, before its first barrier, cannot fail
+            try:
+                ckpt_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                failed = err
+        if _on_any_rank(failed, engine.device):
+            raise _failed(tag, ckpt_dir, failed)
+        partial = f".{tag}.partial"
         try:
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
+            engine.save_checkpoint(str(ckpt_dir), tag=partial, client_state=client_state, save_latest=False)
+        except (OSError, RuntimeError) as err:
+            if isinstance(err, RuntimeError) and not _in_torch_save(err):
+                raise
             failed = err
-    if _on_any_rank(failed, engine.device):
-        raise _failed(tag, ckpt_dir, failed)
-    partial = f".{tag}.partial"
-    try:
-        engine.save_checkpoint(str(ckpt_dir), tag=partial, client_state=client_state, save_latest=False)
-    except (OSError, RuntimeError) as err:
-        if isinstance(err, RuntimeError) and not _in_torch_save(err):
-            raise
-        failed = err
-        torch_dist.barrier()  # the one DeepSpeed's save ends with, where the other ranks wait
-    if failed is None:
+            torch_dist.barrier()  # the one DeepSpeed's save ends with, where the other ranks wait
+        if failed is None and self.rank != 0:
+            try:
+                _fsync_own_files(ckpt_dir / partial, self.rank)
+            except OSError as err:
+                failed = err
+        if _on_any_rank(failed, engine.device):
+            self._fail(tag, failed)
+        if self.rank == 0:
+            self._published = (tag, None)
+            self._publishing = threading.Thread(target=self._publish, args=(tag,), name=f"publish {tag}")
+            self._publishing.start()
+        if wait:
+            self.finish()
+        torch_dist.barrier()
+        return tag
+
+    def _publish(self, tag: str) -> None:
+        """Rank 0, in the background: its files on disk, then the checkpoint made the latest, the oldest pruned."""
         try:
-            _fsync_own_files(ckpt_dir / partial, rank)
+            partial = self.ckpt_dir / f".{tag}.partial"
+            _fsync_own_files(partial, 0)
+            _publish(self.ckpt_dir, partial.name, tag)
+            _prune(self.ckpt_dir, self.keep)
         except OSError as err:
-            failed = err
-    if not _on_any_rank(failed, engine.device) and rank == 0:
-        try:
-            _publish(ckpt_dir, partial, tag)
-        except OSError as err:
-            failed = err
-    if _on_any_rank(failed, engine.device):
-        error = _failed(tag, ckpt_dir, failed)  # said while what was written is still there to measure
-        if rank == 0:
-            shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
+            self._published = (tag, err)
+
+    def finish(self) -> None:
+        """Wait for the checkpoint rank 0 is finishing; where that failed, a CheckpointError on every rank."""
+        tag, failed = None, None
+        if self._publishing is not None:
+            self._publishing.join()
+            self._publishing = None
+            tag, failed = self._published
+        tags = [tag]
+        if _on_any_rank(failed, self.engine.device):
+            torch_dist.broadcast_object_list(tags, src=0)
+            self._fail(tags[0], failed)
+
+    def _fail(self, tag: str, failed: Exception | None) -> None:
+        error = _failed(tag, self.ckpt_dir, failed)  # said while what was written is still there to measure
+        if self.rank == 0:
+            shutil.rmtree(self.ckpt_dir / f".{tag}.partial", ignore_errors=True)
         raise error
-    if rank == 0:
-        _prune(ckpt_dir, keep)
-    torch_dist.barrier()
-    return tag
 
 
 def _prune(ckpt_dir: Path, keep: int) -> None:

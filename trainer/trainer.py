@@ -22,7 +22,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipeline.storage import device_bytes, size_text
 from trainer.build import build_data, build_engine, build_loss, run_facts
-from trainer.checkpoint import load_checkpoint, save_checkpoint
+from trainer.checkpoint import Cadence, Checkpointer, load_checkpoint
 from trainer.config import Config
 from trainer.dist import Device, DistEnv, device_name
 from trainer.engine import precision_name
@@ -121,6 +121,14 @@ class Trainer:
         self.runlog = RunLog(run_dir, enabled=dist.is_main, resumed_step=resumed_step)
         self.first_batch_digest: str | None = None
         self.profiler: StepProfiler | None = None
+        self.checkpoints = Checkpointer(self.engine, run_dir, keep=cfg.checkpoint_keep)
+        self.cadence = Cadence(
+            every_epochs=cfg.checkpoint_every_epochs,
+            every_steps=cfg.checkpoint_every_steps,
+            every_minutes=cfg.checkpoint_every_minutes,
+        )
+        self.timed_save = False  # the clock's save, agreed at the last log point
+        self.saved_step = self.engine.global_steps if resume else None
 
     def wait_for_every_rank(self) -> None:
         """Return once every rank has built its trainer (passed its checks); one that failed says why itself."""
@@ -140,7 +148,13 @@ class Trainer:
         """The micro-step being taken, for messages."""
         return f"epoch {self.epoch + 1}, batch {self.batch_in_epoch}, after step {self.engine.global_steps}"
 
-    def _save(self) -> None:
+    def _save(self, *, wait: bool = False) -> None:
+        """A checkpoint of this step (none where one was just saved); with ``wait``, on disk and latest on return."""
+        self.cadence.saved()
+        if self.saved_step == self.engine.global_steps:
+            if wait:
+                self.checkpoints.finish()
+            return
         state = {
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
@@ -149,7 +163,8 @@ class Trainer:
             "config_name": self.name,
         }
         self.run.check_held()
-        tag = save_checkpoint(self.engine, self.run_dir, state, keep=self.cfg.checkpoint_keep)
+        tag = self.checkpoints.save(state, wait=wait)
+        self.saved_step = self.engine.global_steps
         log.info("checkpoint %s saved", tag)
 
     def _science_metrics(self) -> None:
@@ -231,6 +246,7 @@ class Trainer:
                 engine.global_steps,
             )
 
+        self.checkpoints.finish()
         val_loss = self.val_loss
         summary = self._summary(intervals, val_loss, stopped=stopped, wall_s=time.perf_counter() - wall_start)
         self.run.write_summary(summary)
@@ -290,15 +306,19 @@ class Trainer:
                 self.interval = Interval(start=time.perf_counter())
             if self.guard.stopping:  # agreed by every rank, at this step
                 bar.close()
-                self._save()
+                self._save(wait=True)
                 return True
+            if self.cadence.after_step(engine.global_steps, timed=self.timed_save):
+                self.timed_save = False
+                self._save()
         if self.interval.steps:
             intervals.append(self._log_interval(self.interval, bar))
         bar.close()
         return False
 
     def _end_epoch(self, last_epoch: int) -> bool:
-        """Validation, science metrics where due, and a checkpoint; True where a stop was requested meanwhile."""
+        """Validation, science metrics where due, and a checkpoint where due (always after the last epoch and before a
+        stop); True where a stop was requested meanwhile."""
         cfg, engine = self.cfg, self.engine
         self.val_loss = evaluate(engine, self.val_loader, self.loss_fn)
         self.runlog.write(engine.global_steps, epoch=self.epoch + 1, **{"loss/valid": self.val_loss})
@@ -306,9 +326,11 @@ class Trainer:
         if cfg.science_every_epochs and (self.epoch + 1) % cfg.science_every_epochs == 0:
             self._science_metrics()
         self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        self._save()
         if self.epoch < last_epoch:
             self.guard.agree()
+        last = self.guard.stopping or self.epoch == last_epoch
+        if last or self.cadence.after_epoch(self.epoch, last=last_epoch):
+            self._save(wait=last)
         return self.guard.stopping
 
     def _optimizer_steps(self) -> Iterator[None]:
@@ -350,7 +372,9 @@ class Trainer:
     def _log_interval(self, interval: Interval, bar: tqdm) -> dict[str, float]:
         engine = self.engine
         loss, per_rank = self._gather_losses(interval)  # synchronizes the device: the rate below is honest
-        self.guard.agree()  # a stop requested on any rank is seen by every rank at the same log point
+        # a stop requested on any rank, and rank 0's clock for a timed save, seen by every rank at this log point
+        clock = torch.tensor(float(self.dist.is_main and self.cadence.clock_due()), device=engine.device)
+        (self.timed_save,) = self.guard.agree(clock)
         elapsed = time.perf_counter() - interval.start
         rate = interval.steps * self.cfg.global_batch_size / elapsed
         lr = self.schedule.lr_at(self.schedule.steps_taken)  # what the last step used

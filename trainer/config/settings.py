@@ -246,7 +246,26 @@ class Config:
     # Logging and checkpoints
     log_every_steps: int = _field(20, "optimizer steps between log points", bound="positive", resumable=True)
     checkpoint_keep: int = _field(
-        3, "checkpoints kept in the run directory (the newest ones)", bound="positive", resumable=True
+        3,
+        "checkpoints kept in the run directory (the newest ones, whichever cadence saved them)",
+        bound="positive",
+        resumable=True,
+    )
+    checkpoint_every_epochs: int = _field(
+        1,
+        "save after every this many epochs (0: none but the last); a stop and the end always save",
+        bound="non-negative",
+        resumable=True,
+    )
+    checkpoint_every_steps: int | None = _field(
+        None, "also save every this many optimizer steps (null: not by steps)", bound="positive", resumable=True
+    )
+    checkpoint_every_minutes: float | None = _field(
+        None,
+        "also save every this many minutes of training, on the optimizer step every rank agrees on at a log "
+        "point (null: not by time)",
+        bound="positive",
+        resumable=True,
     )
     cpu_threads: int | None = _field(
         None,
