@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from bench.cases import rate_summary, rounds
 from bench.env import REPO, append_records, environment, read_records
+from bench.layouts import drop_cached
 from common.cli import ArgumentParser, existing_file, output_file
 from pipeline.convert import convert
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
@@ -33,6 +34,7 @@ from pipeline.synthetic import SyntheticSpec, write_box
 from pipeline.volumes import VolumeFiles, VolumePair, read_hdf5
 
 RESULTS = REPO / "bench" / "results" / "pipeline.jsonl"
+LAYOUTS = REPO / "bench" / "results" / "layouts.jsonl"
 DOC = REPO / "docs" / "benchmarks.md"  # the page whose tables bench.pipeline and bench.report regenerate
 AUG = Augmenter(in_channels=4, out_channels=5, in_vectors=[[1, 2, 3]], out_vectors=[[1, 2, 3]])
 
@@ -184,7 +186,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
             cases = {case: make for case, make in cases.items() if case in args.cases}
         results: dict[str, list[dict[str, float]]] = {case: [] for case in cases}
+        data_files = [path, *(Path(p) for p in (npy_files.inputs, npy_files.targets) if Path(p).exists())]
         for repeat, case in rounds(list(cases), args.repeats):
+            if args.cold:
+                drop_cached(data_files)
             batches = cases[case]()
             results[case].append(_time_batches(batches, args.warmup, args.batches, device=device, batch=args.batch))
             batches.close()  # its work ahead must not overlap the next case's timing
@@ -278,6 +283,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", type=int, default=20, help="batches timed per case and repeat")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case; the median is reported")
     parser.add_argument("--no_dali", action="store_true", help="torch backend only (machines without DALI)")
+    parser.add_argument(
+        "--cold", action="store_true", help="drop the data files' pages from the cache before each case"
+    )
+    parser.add_argument(
+        "--layouts",
+        action="store_true",
+        help="instead: crops/s per reading thread of each file layout, warm and cold (bench/results/layouts.jsonl)",
+    )
     parser.add_argument("--cases", nargs="+", help="only these cases (limit, baseline, dali-device, torch-host...)")
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     parser.add_argument(
@@ -290,6 +303,11 @@ def main(argv: list[str] | None = None) -> None:
         "with --report or when --out is the default results file)",
     )
     args = parser.parse_args(argv)
+    if args.layouts:
+        from bench.layouts import main as layouts_main
+
+        layouts_main(args, crop=max(args.crops), out=LAYOUTS if args.out == RESULTS else args.out)
+        return
     if not args.report:
         run(args)
     records = read_records(args.out)

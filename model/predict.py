@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--input", type=existing_file, required=True, help="HDF5 file with an Nbody dataset, or a .npy input volume"
     )
-    parser.add_argument("--npy_layout", choices=["CDHW", "DHWC"], default="CDHW")
+    parser.add_argument("--npy_layout", choices=["CDHW", "DHWC", "bricks"], default="CDHW")
     parser.add_argument(
         "--truth",
         type=existing_file,

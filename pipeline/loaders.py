@@ -62,16 +62,14 @@ def batches_held(backend: Backend) -> int:
     return 2 if backend == "dali" else 1
 
 
-def batch_buffer_bytes(
-    settings: LoaderSettings, batch: int, crop: int, *, channels: int, data_format: str = "hdf5"
-) -> int:
+def batch_buffer_bytes(settings: LoaderSettings, batch: int, crop: int, *, channels: int, reader: str = "hdf5") -> int:
     """Host memory of one rank's batch buffers, for the training and the validation loader (``channels``: input
     plus target): the batchers' rings, or DALI's own buffers (its prefetched batches, about one batch per stage of
     the graph); none where the volumes are cut on the device."""
     storage = settings.storage
     if storage.on_device:
         return 0
-    if storage.uses_batcher(settings.backend, data_format):
+    if storage.uses_batcher(settings.backend, reader):
         slots = ring_slots(settings.lookahead, batches_held(settings.backend))
     else:
         slots = settings.lookahead + 3  # prefetched batches, the slice and the rotation's passes
@@ -105,7 +103,7 @@ def build_loader(
     )
     kept = storage.keep(volumes, node=node or Node(), split=split, device=device, dtype=settings.device_storage_dtype)
     batcher = None
-    if storage.uses_batcher(settings.backend, volumes.files.format):
+    if storage.uses_batcher(settings.backend, volumes.files.reader):
         from pipeline.torch_backend import pinned_buffer
 
         # Cut straight into NDHWC buffers for channels-last batches, where the CPU does the rotation; where the

@@ -80,9 +80,9 @@ class StorageMode:
         """The mode this device can keep: itself, or what it falls back to (saying so)."""
         return self
 
-    def uses_batcher(self, backend: str, data_format: str) -> bool:
-        """Whether the Python ``CropBatcher`` cuts the crops (on its CPU threads)."""
-        return backend == "torch" or data_format == "hdf5"  # DALI reads .npy files itself, but no HDF5
+    def uses_batcher(self, backend: str, reader: str) -> bool:
+        """Whether the ``CropBatcher`` cuts the crops on its CPU threads (``reader``: ``VolumeFiles.reader``)."""
+        return backend == "torch" or reader != "npy"  # DALI reads plain .npy files itself, neither HDF5 nor bricks
 
     def host_bytes(self, volume_bytes: int, *, buffer_bytes: int, local_ranks: int) -> int:
         """Host memory on this node: the shared copy of the volumes where there is one, each rank's batch buffers."""
@@ -115,7 +115,7 @@ class Host(StorageMode):
     name = "host"
     loaded = True
 
-    def uses_batcher(self, backend: str, data_format: str) -> bool:
+    def uses_batcher(self, backend: str, reader: str) -> bool:
         return backend == "torch"  # DALI slices volumes in memory itself
 
     def keep(self, volumes: VolumePair, *, node: Node, split: str, device: torch.device, dtype: str) -> Kept:
@@ -145,7 +145,7 @@ class Device(StorageMode):
         log.warning("storage 'device' needs a GPU; keeping the volumes in host memory instead (storage 'host')")
         return HOST
 
-    def uses_batcher(self, backend: str, data_format: str) -> bool:
+    def uses_batcher(self, backend: str, reader: str) -> bool:
         return False
 
     def host_bytes(self, volume_bytes: int, *, buffer_bytes: int, local_ranks: int) -> int:

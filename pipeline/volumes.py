@@ -8,6 +8,7 @@ that cutting a crop is the same slicing for all of them.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -15,11 +16,12 @@ from typing import Any, Literal
 import h5py
 import numpy as np
 
+from pipeline.bricks import Bricks
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
 from pipeline.rotations import Rotation, VectorGroups, rotate_into
 
 DataFormat = Literal["hdf5", "npy"]
-NpyLayout = Literal["CDHW", "DHWC"]
+NpyLayout = Literal["CDHW", "DHWC", "bricks"]
 
 
 class DataError(ValueError):
@@ -38,6 +40,11 @@ class VolumeFiles:
     @classmethod
     def hdf5(cls, path: str | Path) -> VolumeFiles:
         return cls(format="hdf5", inputs=Path(path), targets=Path(path))
+
+    @property
+    def reader(self) -> str:
+        """How crops come out of the files: 'hdf5', 'npy' (an array per file), or 'bricks'."""
+        return "hdf5" if self.format == "hdf5" else "bricks" if self.npy_layout == "bricks" else "npy"
 
     @classmethod
     def npy(cls, inputs: str | Path, targets: str | Path, layout: NpyLayout) -> VolumeFiles:
@@ -69,8 +76,8 @@ def open_hdf5(path: Path, name: str) -> h5py.Dataset:
     return f[name]
 
 
-def open_npy(path: Path, layout: NpyLayout) -> np.ndarray:
-    """A .npy file memory-mapped, as (C, L, L, L) when ``layout`` is DHWC and the array is 4-D."""
+def open_npy(path: Path, layout: NpyLayout) -> Any:
+    """A .npy file memory-mapped, read as (C, L, L, L): a view of a DHWC array, a ``Bricks`` of a bricked one."""
     _require_file(path)
     try:
         array = np.load(path, mmap_mode="r")
@@ -80,6 +87,16 @@ def open_npy(path: Path, layout: NpyLayout) -> np.ndarray:
         raise DataError(f"{path}: not a single array")
     if layout == "DHWC" and array.ndim == 4:
         return array.transpose(3, 0, 1, 2)  # a strided CDHW view: no copy
+    if layout == "bricks":
+        if array.ndim != 7 or len({*array.shape[:3]}) != 1 or len({*array.shape[4:]}) != 1:
+            raise DataError(
+                f"{path}: an array of shape {tuple(array.shape)}, not bricks (n, n, n, channels, b, b, b) as "
+                "npy_layout bricks declares (python -m pipeline.convert --layout bricks writes them)"
+            )
+        mapped = getattr(array, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_RANDOM"):
+            mapped.madvise(mmap.MADV_RANDOM)  # a crop reads its bricks' pages, not the readahead's beyond them
+        return Bricks(array)
     return array
 
 

@@ -48,8 +48,13 @@ def test_two_ranks_share_one_host_copy_and_draw_the_samples_of_their_own_reads(t
         result = _run([*DEEPSPEED, "--num_gpus", "2", "ds_train.py", *args])
         assert result.returncode == 0, result.stderr[-3000:]
         summaries[storage] = _summary(run)
+        log = (run / "train.log").read_text()
         if storage == "host":
-            assert "of volumes, one copy per node" in (run / "train.log").read_text()
+            assert "of volumes, one copy per node" in log
+        else:  # read lazily from a contiguous HDF5 file: said once, with the command that converts it
+            (line,) = [line for line in log.splitlines() if "storage 'lazy' reads each crop from" in line]
+            assert f"python -m pipeline.convert {args[args.index('--train_path') + 1]} " in line
+            assert "--data_format npy --npy_layout bricks" in line
     for key in ("rank_first_batch_digests", "rank_weight_digests", "final_val_loss"):
         assert summaries["host"][key] == summaries["lazy"][key], key
     assert not [p for p in os.listdir("/dev/shm") if p.startswith(("cosmo-emulator-", "deepspeed_allreduce_buffer"))]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.bricks import to_bricks
 from pipeline.crops import CropBatcher
 from pipeline.dali import BatcherCrops, DaliLoader
 from pipeline.loaders import LoaderSettings, build_loader, resolve_backend
@@ -115,7 +116,10 @@ def _npy_files(tmp_path, volumes, layout):
     paths = []
     for name, volume in (("data", volumes.nbody), ("label", volumes.hydro)):
         path = tmp_path / f"{name}_{layout}.npy"
-        np.save(path, volume if layout == "CDHW" else np.ascontiguousarray(volume.transpose(1, 2, 3, 0)))
+        if layout == "bricks":
+            np.save(path, to_bricks(volume, 8))  # 4 x 4 x 4 bricks: crops straddle them
+        else:
+            np.save(path, volume if layout == "CDHW" else np.ascontiguousarray(volume.transpose(1, 2, 3, 0)))
         paths.append(path)
     return VolumeFiles.npy(*paths, layout)
 
@@ -128,6 +132,7 @@ def test_every_storage_mode_format_and_backend_gives_the_reference_samples(tmp_p
         "hdf5": VolumeFiles.hdf5(tiny_data["train"]),
         "npy CDHW": _npy_files(tmp_path, volumes, "CDHW"),
         "npy DHWC": _npy_files(tmp_path, volumes, "DHWC"),
+        "npy bricks": _npy_files(tmp_path, volumes, "bricks"),
     }
     for files in sources.values():
         opened = VolumePair.open(files, 4, 5, crop_size=CROP)
@@ -286,7 +291,7 @@ def test_missing_corrupt_and_too_small(tmp_path, tiny_data):
         VolumePair.open(VolumeFiles.hdf5(tiny_data["val"]), 4, 5, crop_size=64)
 
 
-@pytest.mark.parametrize("layout", ["CDHW", "DHWC"])
+@pytest.mark.parametrize("layout", ["CDHW", "DHWC", "bricks"])
 def test_convert_writes_npy_the_npy_format_reads(tmp_path, tiny_data, volumes, layout, monkeypatch):
     import pipeline.convert
     from pipeline.convert import convert
@@ -379,3 +384,19 @@ def test_hdf5_inputs_are_read_without_file_locking(tmp_path, tiny_data):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_convert_writes_several_files_into_a_directory_as_bricks_by_default(tmp_path, tiny_data, capsys):
+    from pipeline.convert import main as convert_main
+
+    convert_main([str(tiny_data["train"]), str(tiny_data["val"]), "--out_dir", str(tmp_path), "--brick", "16"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "train_data.npy",
+        "train_label.npy",
+        "val_data.npy",
+        "val_label.npy",
+    ]
+    assert np.load(tmp_path / "val_label.npy", mmap_mode="r").shape == (2, 2, 2, 5, 16, 16, 16)
+    assert "train with: --data_format npy --npy_layout bricks" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # one prefix cannot name two files' outputs
+        convert_main([str(tiny_data["train"]), str(tiny_data["val"]), "--out_prefix", str(tmp_path / "x")])

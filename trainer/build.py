@@ -244,6 +244,8 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
         )
     for key in unused_data_keys(cfg, storage, backend, device_type=device.type):
         log.warning("%s has no effect with storage '%s' (backend %s)", key, storage, backend)
+    if storage is LAZY and train.files.reader != "bricks":
+        _say_the_layout_is_slow(cfg, train.files)
     node = node_of(dist, device)
     if cfg.data_checks != "none":  # by each node's first rank: a box is read once per node
         for volumes in (train, val):
@@ -257,7 +259,8 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
         lookahead=cfg.data_prefetch,
         channels_last=channels_last_on(cfg, device.type),
     )
-    buffers = batch_buffer_bytes(settings, micro, cfg.data_size, channels=channels, data_format=cfg.data_format)
+    reader = volume_files(cfg, "train").reader
+    buffers = batch_buffer_bytes(settings, micro, cfg.data_size, channels=channels, reader=reader)
     check_memory(
         [train, val],
         storage,
@@ -266,6 +269,23 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
         device_dtype=cfg.device_storage_dtype,
     )
     return RunData(cfg=cfg, settings=settings, train=train, val=val, node=node)
+
+
+def _say_the_layout_is_slow(cfg: Config, files: VolumeFiles) -> None:
+    """Storage lazy reads each crop from a layout that reads many times the bytes the crop holds: once, the command
+    that converts the files into bricks."""
+    if files.reader == "hdf5":
+        layout, sources = "HDF5", " ".join(str(volume_files(cfg, split).inputs) for split in ("train", "val"))
+    else:
+        layout, sources = f"npy {files.npy_layout}", "(the HDF5 files these came from)"
+    log.warning(
+        "storage 'lazy' reads each crop from %s (%s), a layout that reads 9 to 18 times the bytes of bricks from a "
+        "cold cache (docs/data.md, At full scale): python -m pipeline.convert %s --out_dir DIR, then train with "
+        "--data_format npy --npy_layout bricks and the paths it prints",
+        files.inputs,
+        layout,
+        sources,
+    )
 
 
 def _auto_storage(cfg: Config, dist: DistEnv, device: Device, *, volumes: list[VolumePair], micro: int) -> StorageMode:
@@ -315,7 +335,8 @@ def _auto_buffer_bytes(cfg: Config, micro: int) -> int:
         lookahead=cfg.data_prefetch,
     )
     channels = cfg.N_in_channels + cfg.N_out_channels
-    return batch_buffer_bytes(settings, micro, cfg.data_size, channels=channels, data_format=cfg.data_format)
+    reader = volume_files(cfg, "train").reader
+    return batch_buffer_bytes(settings, micro, cfg.data_size, channels=channels, reader=reader)
 
 
 def node_of(dist: DistEnv, device: Device) -> Node:

@@ -98,7 +98,11 @@ class Config:
     val_path_npy_label: str = _field(
         "/data/downsamp_1024crop_valid_label.npy", "validation targets as .npy", path="npy", resumable=True
     )
-    npy_layout: Literal["CDHW", "DHWC"] = _field("CDHW", "axis order of the .npy volumes: channels first or last")
+    npy_layout: Literal["CDHW", "DHWC", "bricks"] = _field(
+        "CDHW",
+        "axis order of the .npy volumes: channels first or last, or bricks (the fastest for storage lazy: "
+        "python -m pipeline.convert --layout bricks)",
+    )
     storage: Literal["auto", "lazy", "host", "device"] = _field(
         "auto",
         "lazy: read each crop from the files (the reference's lowmem); host: load the volumes into memory, one copy "
