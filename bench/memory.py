@@ -1,7 +1,7 @@
 """The memory and reads a node's ranks spend on the data, measured: a rehearsal of the reference's box, scaled down.
 
     python -m bench.memory                            # 512^3 box, 4 CPU ranks, host storage, against a 128^3 box
-    python -m bench.memory --storage lazy --data_format npy --box 512
+    python -m bench.memory --storage lazy --data_format npy   # the same box converted to bricks, read lazily
 
 Each case is a short training run through the deepspeed launcher while this process samples the machine's
 MemAvailable (shared memory and process memory count, reclaimable page cache does not) and the bytes each rank reads;
@@ -83,11 +83,11 @@ def measure(command: list[str]) -> dict[str, Any]:
     }
 
 
-def _npy_pair(path: Path) -> tuple[Path, Path]:
-    """The box as a CDHW .npy pair beside it (converted once)."""
-    prefix = path.with_suffix("")
+def _npy_pair(path: Path, layout: str) -> tuple[Path, Path]:
+    """The box as a .npy pair in ``layout`` beside it (converted once)."""
+    prefix = Path(f"{path.with_suffix('')}_{layout.lower()}")
     pair = (Path(f"{prefix}_data.npy"), Path(f"{prefix}_label.npy"))
-    return pair if pair[0].exists() and pair[1].exists() else convert(path, prefix, "CDHW")
+    return pair if pair[0].exists() and pair[1].exists() else convert(path, prefix, layout)
 
 
 def case(args: Any, box: int, run_dir: Path) -> dict[str, Any]:
@@ -95,8 +95,8 @@ def case(args: Any, box: int, run_dir: Path) -> dict[str, Any]:
     val = random_box(DATA / "random_64.h5", 64)
     data = ["--train_path", str(train), "--val_path", str(val)]
     if args.data_format == "npy":
-        (train_data, train_label), (val_data, val_label) = (_npy_pair(path) for path in (train, val))
-        data = ["--data_format", "npy", "--npy_layout", "CDHW"]
+        (train_data, train_label), (val_data, val_label) = (_npy_pair(path, args.npy_layout) for path in (train, val))
+        data = ["--data_format", "npy", "--npy_layout", args.npy_layout]
         data += ["--train_path_npy_data", str(train_data), "--train_path_npy_label", str(train_label)]
         data += ["--val_path_npy_data", str(val_data), "--val_path_npy_label", str(val_label)]
     options = ["--config", "debug", "--synthetic", "null", *data, "--storage", args.storage, "--num_epochs", "1"]
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, default=4, help="ranks on this node (the deepspeed launcher)")
     parser.add_argument("--storage", choices=["host", "lazy"], default="host")
     parser.add_argument("--data_format", choices=["hdf5", "npy"], default="hdf5")
+    parser.add_argument("--npy_layout", choices=["bricks", "CDHW"], default="bricks", help="with --data_format npy")
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     args = parser.parse_args(argv)
     runs = REPO / "runs" / "bench-memory"
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {
         "bench": "memory",
         "storage": args.storage,
-        "data_format": args.data_format,
+        "data_format": args.data_format if args.data_format == "hdf5" else f"npy {args.npy_layout}",
         "ranks": args.ranks,
         "box": args.box,
         "small_box": args.small,
