@@ -34,7 +34,7 @@ def _shape(source_shape: tuple[int, ...], layout: str, brick: int) -> tuple[int,
     return (n, n, n, channels, brick, brick, brick)
 
 
-def _write(source, out: np.ndarray, layout: str, brick: int) -> None:
+def _write(source, out: np.ndarray, layout: str, *, brick: int) -> None:
     """Copy a (C, L, L, L) volume into ``out`` in ``layout``, a slab of planes (a row of bricks) at a time."""
     step = brick if layout == "bricks" else max(1, 2**26 // max(1, source.shape[0] * source.shape[2] ** 2))
     for x in range(0, source.shape[1], step):
@@ -65,7 +65,7 @@ def convert(
         for source, partial in zip((volumes.nbody, volumes.hydro), (data, label), strict=True):
             shape = _shape(tuple(source.shape), layout, brick)
             out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=shape)
-            _write(source, out, layout, brick)
+            _write(source, out, layout, brick=brick)
             out.flush()
             del out
     return paths[0], paths[1]
