@@ -7,10 +7,13 @@ gas velocities' spectra, judged apart (``velocity_target``). docs/prediction.md 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import scipy.fft
 
 from pipeline.layout import HYDRO_CHANNELS, LOG_DENSITY_SCALE
 
@@ -45,34 +48,51 @@ def _shells(n: int) -> tuple[np.ndarray, int]:
     return np.rint(kmag).astype(np.int64), n // 2
 
 
-def _modes(field: np.ndarray) -> np.ndarray:
-    return np.fft.rfftn(field, axes=(0, 1, 2)) / field.size
+def _rfft(field: np.ndarray) -> np.ndarray:
+    """The field's rfft in single precision (complex64: half the memory of numpy's), the field consumed."""
+    return scipy.fft.rfftn(field, workers=FFT_WORKERS, overwrite_x=True)
+
+
+def _shell_sums(transforms: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """Per shell of |k|, summed plane by plane of the transforms (no grid of the box's size besides them): the mode
+    counts and, in float64, |f_a|^2 (and |f_b|^2 and Re f_a f_b*) for one (two) transforms of an n^3 grid. The rfft
+    holds half the modes: those of the kz = 0 and Nyquist planes are counted once, the others for their conjugates
+    too."""
+    n = transforms[0].shape[0]
+    nyquist = n // 2
+    k, kz = np.fft.fftfreq(n) * n, np.fft.rfftfreq(n) * n
+    weight = np.full(kz.shape, 2.0)
+    weight[0] = 1.0
+    if n % 2 == 0:
+        weight[-1] = 1.0
+    names = ["p_a"] if len(transforms) == 1 else ["p_a", "p_b", "p_ab"]
+    sums = {name: np.zeros(nyquist + 1) for name in ["modes", *names]}
+    for i in range(n):
+        shells = np.rint(np.sqrt(k[i] ** 2 + k[:, None] ** 2 + kz[None, :] ** 2)).astype(np.int64).ravel()
+        inside = shells <= nyquist
+        shells, plane_weight = shells[inside], np.broadcast_to(weight, (n, kz.size)).ravel()[inside]
+        planes = [t[i].ravel()[inside] for t in transforms]
+        powers = {"p_a": np.abs(planes[0]) ** 2}
+        if len(planes) == 2:
+            powers |= {"p_b": np.abs(planes[1]) ** 2, "p_ab": (planes[0] * np.conj(planes[1])).real}
+        sums["modes"] += np.bincount(shells, weights=plane_weight, minlength=nyquist + 1)
+        for name, power in powers.items():
+            sums[name] += np.bincount(shells, weights=power.astype(np.float64) * plane_weight, minlength=nyquist + 1)
+    return sums
+
+
+def _spectra_of(transforms: list[np.ndarray], size: int) -> dict[str, np.ndarray]:
+    sums = _shell_sums(transforms)
+    counts = sums.pop("modes")[1:]
+    # the grid's variance of f is the sum of |f_k / size|^2 over all modes; per mode, P = size |f_k / size|^2
+    return {"k": np.arange(1, counts.size + 1), "modes": counts, **{n: v[1:] / counts / size for n, v in sums.items()}}
 
 
 def spectra(a: np.ndarray, b: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Shell-averaged P_a(k) (and P_b, the cross spectrum P_ab) for k = 1 .. L/2, per mode.
-
-    The rfft holds half the modes: those of the kz = 0 and Nyquist planes are counted once, the
-    others stand for themselves and their conjugates, which have the same power.
-    """
-    n = a.shape[0]
-    shells, nyquist = _shells(n)
-    weight = np.full(shells.shape, 2.0)
-    weight[..., 0] = 1.0
-    if n % 2 == 0:
-        weight[..., -1] = 1.0
-    fa = _modes(a)
-    spectra_in = {"p_a": np.abs(fa) ** 2}
-    if b is not None:
-        fb = _modes(b)
-        spectra_in |= {"p_b": np.abs(fb) ** 2, "p_ab": (fa * np.conj(fb)).real}
-    counts = np.bincount(shells.ravel(), weights=weight.ravel(), minlength=nyquist + 1)
-    out = {"k": np.arange(1, nyquist + 1), "modes": counts[1 : nyquist + 1]}
-    for name, power in spectra_in.items():
-        # the grid's variance of f is the sum of |f_k|^2 over all modes; per mode, P = n^3 |f_k|^2
-        total = np.bincount(shells.ravel(), weights=(power * weight).ravel(), minlength=nyquist + 1)
-        out[name] = (total[1 : nyquist + 1] / counts[1 : nyquist + 1]) * a.size
-    return out
+    """Shell-averaged P_a(k) (and P_b, the cross spectrum P_ab) for k = 1 .. L/2, per mode, of fields in memory, in
+    double precision."""
+    fields = [a] if b is None else [a, b]
+    return _spectra_of([np.fft.rfftn(np.asarray(f, dtype=np.float64)) for f in fields], a.size)
 
 
 def contrast(field: np.ndarray) -> np.ndarray:
@@ -84,12 +104,11 @@ def contrast(field: np.ndarray) -> np.ndarray:
 TRUTH_CUTOFF = 1e-6
 FIELDS = ("gas_density", "temperature")  # the fields of the science target
 VELOCITIES = ("vx", "vy", "vz", "speed")  # the gas velocity's components (normalized units) and its magnitude
+FFT_WORKERS = max(1, len(os.sched_getaffinity(0)))
 
 
-def compare_spectra(pred: np.ndarray, true: np.ndarray, *, of_contrast: bool = True) -> dict[str, Any]:
-    """P_pred / P_true and r(k) per shell, and the last k before the truth's cut-off (None where it has none): of
-    the fields' contrasts, or of the fields themselves."""
-    s = spectra(contrast(pred), contrast(true)) if of_contrast else spectra(pred, true)
+def _ratios(s: dict[str, np.ndarray]) -> dict[str, Any]:
+    """P_pred / P_true and r(k) per shell, and the last k before the truth's cut-off (None where it has none)."""
     resolved = s["p_b"] > TRUTH_CUTOFF * s["p_b"].max()  # none where the truth has no fluctuations at all
     cut = np.flatnonzero(~resolved)
     with np.errstate(divide="ignore", invalid="ignore"):  # shells where the truth has no power: None
@@ -106,51 +125,88 @@ def _finite(values: np.ndarray) -> list[float | None]:
     return [float(v) if np.isfinite(v) else None for v in values]
 
 
-def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, *, bins: int = 40) -> dict[str, Any]:
-    """All the statistics for a predicted (5, L, L, L) hydro box against the true one (normalized units)."""
-    l1 = {name: float(np.abs(pred[c].astype(np.float64) - true[c]).mean()) for c, name in enumerate(HYDRO_CHANNELS)}
-    rho_pred, rho_true = norm.density(pred[0]), norm.density(true[0])
-    t_pred, t_true = norm.temperature(pred[4]), norm.temperature(true[4])
+class _Boxes:
+    """A predicted and a true (5, L, L, L) box (arrays, memory maps or HDF5 datasets) read a slab of planes at a time,
+    so that only the fields a statistic needs whole are ever whole, in float32."""
+
+    def __init__(self, pred: Any, true: Any, norm: Normalization) -> None:
+        self.boxes, self.norm = {"pred": pred, "true": true}, norm
+        self.side = int(true.shape[1])
+        self.step = max(1, 2**22 // self.side**2)  # planes a slab: about 16 MiB of a channel
+
+    def slabs(self) -> Iterator[slice]:
+        for x in range(0, self.side, self.step):
+            yield slice(x, min(x + self.step, self.side))
+
+    def read(self, which: str, channels: slice | int, planes: slice) -> np.ndarray:
+        return np.asarray(self.boxes[which][channels, planes], dtype=np.float32)
+
+    def field(self, which: str, make: Callable[[Callable[[Any], np.ndarray]], np.ndarray]) -> np.ndarray:
+        """A (L, L, L) float32 field made slab by slab: ``make(read)`` from ``read(channels)`` of one slab."""
+        out = np.empty((self.side,) * 3, dtype=np.float32)
+        for planes in self.slabs():
+            out[planes] = make(lambda channels, p=planes: self.read(which, channels, p))
+        return out
+
+    def spectra(
+        self, make: Callable[[Callable[[Any], np.ndarray]], np.ndarray], *, of_contrast: bool
+    ) -> dict[str, Any]:
+        """``_ratios`` of a field of the prediction and the truth, made by ``make``, one whole field at a time."""
+        transforms = []
+        for which in ("pred", "true"):
+            field = self.field(which, make)
+            if of_contrast:
+                field /= np.float32(field.mean(dtype=np.float64))
+                field -= 1
+            transforms.append(_rfft(field))
+            del field
+        return _ratios(_spectra_of(transforms, self.side**3))
+
+
+def _density(norm: Normalization) -> Callable[[Callable[[Any], np.ndarray]], np.ndarray]:
+    return lambda read: np.exp(np.float32(LOG_DENSITY_SCALE) * read(0))
+
+
+def _temperature(norm: Normalization) -> Callable[[Callable[[Any], np.ndarray]], np.ndarray]:
+    if not norm.temperature_log_range:
+        return lambda read: read(4)
+    return lambda read: np.power(np.float32(10), np.float32(norm.temperature_log_range) * read(4))
+
+
+def _log_density(read: Callable[[Any], np.ndarray]) -> np.ndarray:
+    return read(0) * np.float32(LOG_DENSITY_SCALE / np.log(10))  # log10 of exp(14 x)
+
+
+def _log_temperature(norm: Normalization) -> Callable[[Callable[[Any], np.ndarray]], np.ndarray]:
+    scale = np.float32(norm.temperature_log_range or 1)  # normalized T is already logarithmic
+    return lambda read: read(4) * scale
+
+
+def compare(pred: Any, true: Any, norm: Normalization, *, bins: int = 40) -> dict[str, Any]:
+    """All the statistics for a predicted (5, L, L, L) hydro box against the true one (normalized units), read a
+    slab at a time: at most three fields of the box in float32 at once, whatever their storage."""
+    boxes = _Boxes(pred, true, norm)
+    totals = np.zeros(len(HYDRO_CHANNELS))
+    for planes in boxes.slabs():
+        diff = np.abs(
+            boxes.read("pred", slice(None), planes).astype(np.float64) - boxes.read("true", slice(None), planes)
+        )
+        totals += diff.reshape(len(HYDRO_CHANNELS), -1).sum(axis=1)
+    l1 = {name: float(totals[c] / boxes.side**3) for c, name in enumerate(HYDRO_CHANNELS)}
     result: dict[str, Any] = {
         "l1": l1,
         "l1_mean": float(np.mean(list(l1.values()))),
         "temperature_units": "T / T0"
         if norm.temperature_log_range
         else "normalized (the data file gives no normalization)",
-        "gas_density": compare_spectra(rho_pred, rho_true),
-        "temperature": compare_spectra(t_pred, t_true),
+        "gas_density": boxes.spectra(_density(norm), of_contrast=True),
+        "temperature": boxes.spectra(_temperature(norm), of_contrast=True),
     }
-    velocity = {which: box[1:4].astype(np.float64) for which, box in (("pred", pred), ("true", true))}
-    for c, name in enumerate(VELOCITIES[:3]):
-        result[name] = compare_spectra(velocity["pred"][c], velocity["true"][c], of_contrast=False)
-    speed = {which: np.sqrt(np.square(v).sum(axis=0)) for which, v in velocity.items()}
-    result["speed"] = compare_spectra(speed["pred"], speed["true"], of_contrast=False)
-    log_true, log_pred = np.log10(rho_true), np.log10(rho_pred)
-    edges = np.linspace(*np.percentile(log_true, [0.1, 99.9]), bins + 1)
-    pdf_true, _ = np.histogram(log_true, edges, density=True)
-    pdf_pred, _ = np.histogram(log_pred, edges, density=True)
-    result["log_density_pdf"] = {
-        "edges": edges.tolist(),
-        "true": pdf_true.tolist(),
-        "pred": pdf_pred.tolist(),
-        "l1_distance": float(np.abs(pdf_pred - pdf_true).sum() * (edges[1] - edges[0])),
-    }
-    to_log = np.log10 if norm.temperature_log_range else np.asarray  # normalized T is already logarithmic
-    log_t_true, log_t_pred = to_log(t_true), to_log(t_pred)
-    edges = np.linspace(*np.percentile(log_true, [1, 99]), bins // 2 + 1)
-    which = np.digitize(log_true.ravel(), edges) - 1
-    which_pred = np.digitize(log_pred.ravel(), edges) - 1
-    medians = {"true": [], "pred": []}
-    for i in range(len(edges) - 1):
-        for key, index, values in (("true", which, log_t_true), ("pred", which_pred, log_t_pred)):
-            selected = values.ravel()[index == i]
-            medians[key].append(float(np.median(selected)) if selected.size else None)
-    result["temperature_density"] = {
-        "log10_density_edges": edges.tolist(),
-        "median_log10_T_true": medians["true"],
-        "median_log10_T_pred": medians["pred"],
-    }
-    result["temperature_density_plane"] = _plane(log_true, log_t_true, log_pred, log_t_pred=log_t_pred, bins=bins)
+    for c, name in enumerate(VELOCITIES[:3], start=1):
+        result[name] = boxes.spectra(lambda read, c=c: read(c), of_contrast=False)
+    speed = lambda read: np.sqrt(np.square(read(slice(1, 4))).sum(axis=0))  # noqa: E731
+    result["speed"] = boxes.spectra(speed, of_contrast=False)
+    result |= _one_point(boxes, norm, bins=bins)
     ranges = k_ranges(len(result["gas_density"]["k"]))
     result["k_ranges"] = {name: [lo, hi] for name, (lo, hi) in ranges.items()}
     result["target"] = science_target(result, FIELDS)
@@ -165,22 +221,62 @@ def compare(pred: np.ndarray, true: np.ndarray, norm: Normalization, *, bins: in
     return result
 
 
+def _one_point(boxes: _Boxes, norm: Normalization, *, bins: int) -> dict[str, Any]:
+    """The density PDF, the temperature-density relation and its plane, on edges from the truth's percentiles."""
+    log_t_of = _log_temperature(norm)
+    log_rho = boxes.field("true", _log_density)
+    rho_cuts = np.percentile(log_rho, [0.1, 1, 99, 99.9])
+    log_t = boxes.field("true", log_t_of)
+    t_cuts = np.percentile(log_t, [0.1, 99.9])
+    del log_t
+    pdf_edges = np.linspace(rho_cuts[0], rho_cuts[3], bins + 1)
+    relation_edges = np.linspace(rho_cuts[1], rho_cuts[2], bins // 2 + 1)
+    plane_edges = (pdf_edges, np.linspace(t_cuts[0], t_cuts[1], bins + 1))
+    counts = {"true": np.zeros(bins), "pred": np.zeros(bins)}
+    planes = {"true": np.zeros((bins, bins)), "pred": np.zeros((bins, bins))}
+    medians: dict[str, list[float | None]] = {}
+    for which in ("true", "pred"):
+        log_rho = log_rho if which == "true" else boxes.field("pred", _log_density)
+        counts[which] += np.histogram(log_rho, pdf_edges)[0]
+        bin_of = (np.digitize(log_rho, relation_edges) - 1).astype(np.int16)
+        del log_rho
+        log_t = boxes.field(which, log_t_of)
+        medians[which] = [_median(log_t[bin_of == i]) for i in range(len(relation_edges) - 1)]
+        del bin_of
+        for planes_ in boxes.slabs():
+            rho_slab = _log_density(lambda channels, p=planes_, w=which: boxes.read(w, channels, p))
+            planes[which] += np.histogram2d(rho_slab.ravel(), log_t[planes_].ravel(), bins=plane_edges)[0]
+        del log_t
+    width = pdf_edges[1] - pdf_edges[0]
+    pdf = {which: c / c.sum() / width for which, c in counts.items()}
+    return {
+        "log_density_pdf": {
+            "edges": pdf_edges.tolist(),
+            "true": pdf["true"].tolist(),
+            "pred": pdf["pred"].tolist(),
+            "l1_distance": float(np.abs(pdf["pred"] - pdf["true"]).sum() * width),
+        },
+        "temperature_density": {
+            "log10_density_edges": relation_edges.tolist(),
+            "median_log10_T_true": medians["true"],
+            "median_log10_T_pred": medians["pred"],
+        },
+        "temperature_density_plane": {
+            "log10_density_edges": plane_edges[0].tolist(),
+            "log10_T_edges": plane_edges[1].tolist(),
+            **{which: (p / boxes.side**3).tolist() for which, p in planes.items()},
+        },
+    }
+
+
+def _median(values: np.ndarray) -> float | None:
+    return float(np.median(values.astype(np.float64), overwrite_input=True)) if values.size else None
+
+
 def _last_resolved(spectra: dict[str, Any]) -> int:
     """The last k the truth resolves (0: none)."""
     cutoff = spectra["truth_cutoff_k"]
     return len(spectra["k"]) if cutoff is None else cutoff
-
-
-def _plane(log_rho: np.ndarray, log_t: np.ndarray, log_rho_pred: np.ndarray, *, log_t_pred: np.ndarray, bins: int):
-    """2D histograms (fraction of voxels) of log10 T against log10 density, true and predicted, on the truth's
-    ranges (0.1 to 99.9 percentiles), for the temperature-density figure."""
-    rho_edges = np.linspace(*np.percentile(log_rho, [0.1, 99.9]), bins + 1)
-    t_edges = np.linspace(*np.percentile(log_t, [0.1, 99.9]), bins + 1)
-    planes = {}
-    for key, x, y in (("true", log_rho, log_t), ("pred", log_rho_pred, log_t_pred)):
-        counts, _, _ = np.histogram2d(x.ravel(), y.ravel(), bins=(rho_edges, t_edges))
-        planes[key] = (counts / x.size).tolist()
-    return {"log10_density_edges": rho_edges.tolist(), "log10_T_edges": t_edges.tolist(), **planes}
 
 
 # The science target: on the validation box, for k up to a quarter of Nyquist, power within 10% and r >= 0.95.
