@@ -132,7 +132,7 @@ class _Boxes:
     def __init__(self, pred: Any, true: Any, norm: Normalization) -> None:
         self.boxes, self.norm = {"pred": pred, "true": true}, norm
         self.side = int(true.shape[1])
-        self.step = max(1, 2**22 // self.side**2)  # planes a slab: about 16 MiB of a channel
+        self.step = max(1, min(2**22 // self.side**2, self.side // 16))  # a sixteenth of the box, 16 MiB at most
 
     def slabs(self) -> Iterator[slice]:
         for x in range(0, self.side, self.step):

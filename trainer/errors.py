@@ -6,6 +6,7 @@ import re
 import torch
 
 from common.hold import HeldError
+from common.launch import DistError
 from pipeline.volumes import DataError
 
 
@@ -15,10 +16,6 @@ class ConfigError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be written or loaded; the message says which and why."""
-
-
-class DistError(ValueError):
-    """Contradictory or incomplete distributed settings; the message names the variables."""
 
 
 class HostfileError(ValueError):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as torch_dist
 
 from model import Loss
-from model.predict import compare_box
+from model.evaluation import compare_box
 from pipeline.volumes import VolumePair
 from trainer.build import normalization
 from trainer.config import Config
