@@ -127,6 +127,13 @@ class _SlabFiles:
         self.open.clear()
 
 
+def _share(slabs: list[list[int]], *, rank: int, ranks: int) -> list[int]:
+    """This rank's slabs: a run of them whose blocks are as near a rank's share of all blocks as whole slabs allow."""
+    total = sum(len(s) for s in slabs)
+    starts = np.cumsum([0] + [len(s) for s in slabs[:-1]])
+    return [i for i, start in enumerate(starts) if rank * total // ranks <= start < (rank + 1) * total // ranks]
+
+
 def _runs_of(indices: list[int]) -> list[list[int]]:
     """Consecutive runs of ``indices``: their blocks are predicted in one go, a row before each run added."""
     runs: list[list[int]] = []
@@ -150,7 +157,7 @@ def predict_file(
     layout: str = "CDHW",
     precision: str = "fp32",
     compression: str | None = None,
-    per_slab: int = 4,
+    per_slab: int = 2,
 ) -> dict[str, Any]:
     """This rank's slabs of the prediction of ``input_path`` into ``out_dir``'s slab files (those finished by an
     earlier run of the same prediction kept); its timing."""
@@ -169,7 +176,7 @@ def predict_file(
         tiling = Tiling(box=volume.shape[1], crop=spec.crop_size, overlap=overlap)
         params = _params(emulator, input_path, tiling=tiling, precision=precision, compression=compression)
         slabs = slab_blocks(tiling, per_slab)
-        mine = range(rank * len(slabs) // ranks, (rank + 1) * len(slabs) // ranks)
+        mine = _share(slabs, rank=rank, ranks=ranks)
         todo = [i for i in mine if not _finished(_slab_path(out_dir, i), params)]
         if rank == 0:
             what = f"{spec.crop_size}^3 tiles, overlap {overlap}, {precision}, on {ranks} rank(s)"
@@ -363,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="tiles per forward pass")
     parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32", help="of the model (fp16: GPUs)")
     parser.add_argument("--compression", choices=["none", "gzip", "lzf"], default="none", help="of the output's chunks")
-    parser.add_argument("--slab_blocks", type=int, default=4, help="rows of tiles per slab file (the unit of resuming)")
+    parser.add_argument("--slab_blocks", type=int, default=2, help="rows of tiles per slab file (the unit of resuming)")
     parser.add_argument("--dist_timeout_s", type=float, default=1800.0, help="how long a rank waits for the others")
     parser.add_argument("--device", help="default: this rank's GPU where there is one, else the CPU")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
