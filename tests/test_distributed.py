@@ -37,37 +37,48 @@ def test_a_timed_cadence_saves_where_every_rank_agrees(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", *saved]
 
 
-def test_two_ranks_share_one_host_copy_and_draw_the_samples_of_their_own_reads(tmp_path):
+LAUNCHERS = {"deepspeed": [*DEEPSPEED, "--num_gpus", "2"], "torchrun": TORCHRUN}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Two ranks training the tiny config for two epochs (host storage, the debug config's), once per launcher,
+    shared by the tests that read them: (the launcher's result, the run directory)."""
+    done = {}
+
+    def run(launcher):
+        if launcher not in done:
+            root = tmp_path_factory.mktemp(launcher)
+            args = shared_tiny_args(root, root / "run", "--num_epochs", "2", data="dist-data")
+            done[launcher] = (_run([*LAUNCHERS[launcher], "ds_train.py", *args]), root / "run")
+        return done[launcher]
+
+    return run
+
+
+def test_two_ranks_share_one_host_copy_and_draw_the_samples_of_their_own_reads(tmp_path, two_rank_runs):
     """Host storage on a node of two ranks: one copy in shared memory, read by the first rank; each rank's batches and
     the weights equal those of the same run reading its crops from the file itself (lazy), and nothing stays in
     /dev/shm."""
-    summaries = {}
-    for storage in ("host", "lazy"):
-        run = tmp_path / storage
-        args = shared_tiny_args(tmp_path, run, "--num_epochs", "1", "--storage", storage, data="dist-data")
-        result = _run([*DEEPSPEED, "--num_gpus", "2", "ds_train.py", *args])
-        assert result.returncode == 0, result.stderr[-3000:]
-        summaries[storage] = _summary(run)
-        log = (run / "train.log").read_text()
-        if storage == "host":
-            assert "of volumes, one copy per node" in log
-        else:  # read lazily from a contiguous HDF5 file: said once, with the command that converts it
-            (line,) = [line for line in log.splitlines() if "storage 'lazy' reads each crop from" in line]
-            assert f"python -m pipeline.convert {args[args.index('--train_path') + 1]} " in line
-            assert "--data_format npy --npy_layout bricks" in line
+    result, host = two_rank_runs("deepspeed")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "of volumes, one copy per node" in (host / "train.log").read_text()
+    lazy = tmp_path / "lazy"
+    args = shared_tiny_args(tmp_path, lazy, "--num_epochs", "2", "--storage", "lazy", data="dist-data")
+    result = _run([*LAUNCHERS["deepspeed"], "ds_train.py", *args])
+    assert result.returncode == 0, result.stderr[-3000:]
+    # read lazily from a contiguous HDF5 file: said once, with the command that converts it
+    (line,) = [line for line in (lazy / "train.log").read_text().splitlines() if "storage 'lazy' reads each" in line]
+    assert f"python -m pipeline.convert {args[args.index('--train_path') + 1]} " in line
+    assert "--data_format npy --npy_layout bricks" in line
     for key in ("rank_first_batch_digests", "rank_weight_digests", "final_val_loss"):
-        assert summaries["host"][key] == summaries["lazy"][key], key
+        assert _summary(host)[key] == _summary(lazy)[key], key
     assert not [p for p in os.listdir("/dev/shm") if p.startswith(("cosmo-emulator-", "deepspeed_allreduce_buffer"))]
 
 
-@pytest.mark.parametrize(
-    "launcher",
-    [[*DEEPSPEED, "--num_gpus", "2"], TORCHRUN],
-    ids=["deepspeed", "torchrun"],
-)
-def test_two_ranks_through_a_launcher(tmp_path, launcher):
-    run = tmp_path / "run"
-    result = _run([*launcher, "ds_train.py", *shared_tiny_args(tmp_path, run, "--num_epochs", "2", data="dist-data")])
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_two_ranks_through_a_launcher(launcher, two_rank_runs):
+    result, run = two_rank_runs(launcher)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = _summary(run)
     assert (summary["world_size"], summary["launched_by"]) == (2, "launcher")

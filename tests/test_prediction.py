@@ -505,6 +505,15 @@ def big_box(trained, tmp_path_factory):
     return {"box": root / "box.h5", "weights": root / "emulator.pt"}
 
 
+@pytest.fixture(scope="module")
+def one_rank(big_box, tmp_path_factory):
+    """The box predicted by one rank, a slab file per block: what the other ways must give."""
+    out = tmp_path_factory.mktemp("one") / "prediction"
+    result = _predict(big_box, out, "--slab_blocks", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return _hydro(out)
+
+
 def _predict(big_box, out, *extra, launcher=()):
     command = [*launcher, "-m", "model.predict"] if launcher else [sys.executable, "-m", "model.predict"]
     args = ["--weights", str(big_box["weights"]), "--input", str(big_box["box"]), "--out", str(out), *extra]
@@ -516,18 +525,15 @@ def _hydro(out):
         return f["Hydro"][...]
 
 
-def test_two_ranks_predict_what_one_does_into_one_dataset_of_chunked_slabs(big_box, tmp_path):
-    one = _predict(big_box, tmp_path / "one", "--slab_blocks", "1", "--compression", "gzip")
-    assert one.returncode == 0, one.stderr[-3000:]
+def test_two_ranks_predict_what_one_does_into_one_dataset_of_chunked_slabs(big_box, one_rank, tmp_path):
     two = _predict(
         big_box,
         tmp_path / "two",
-        "--slab_blocks",
-        "1",
+        *("--slab_blocks", "1", "--compression", "gzip"),
         launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
     )
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = _hydro(tmp_path / "one"), _hydro(tmp_path / "two")
+    a, b = one_rank, _hydro(tmp_path / "two")
     assert a.shape == (5, 48, 48, 48) and np.isfinite(a).all()
     assert (np.abs(a - b).max(axis=(1, 2, 3)) <= 1e-5 * a.std(axis=(1, 2, 3))).all()
     with h5py.File(tmp_path / "two" / "prediction.h5", "r", locking=False) as f:
@@ -535,15 +541,13 @@ def test_two_ranks_predict_what_one_does_into_one_dataset_of_chunked_slabs(big_b
         info = json.loads(f.attrs["prediction"])
         # four rows of 16 tiles: each rank takes the rows that reach its two blocks, one more than its own
         assert len(info["ranks"]) == 2 and all(r["tiles"] == 3 * 16 for r in info["ranks"])
-    slab = sorted((tmp_path / "one" / "prediction.slabs").glob("slab-*.h5"))[0]
+    slab = sorted((tmp_path / "two" / "prediction.slabs").glob("slab-*.h5"))[0]
     with h5py.File(slab, "r", locking=False) as f:
         assert f["Hydro"].chunks == (1, 12, 48, 48) and f["Hydro"].compression == "gzip"
     assert "2 slab(s) of 2 to do here" in two.stderr
 
 
-def test_a_killed_prediction_continues_from_its_finished_slabs_to_the_same_values(big_box, tmp_path):
-    reference = _predict(big_box, tmp_path / "reference", "--slab_blocks", "1")
-    assert reference.returncode == 0, reference.stderr[-3000:]
+def test_a_killed_prediction_continues_from_its_finished_slabs_to_the_same_values(big_box, one_rank, tmp_path):
     out = tmp_path / "killed"
     command = [sys.executable, "-m", "model.predict", "--weights", str(big_box["weights"]), "--input"]
     proc = subprocess.Popen(
@@ -560,7 +564,7 @@ def test_a_killed_prediction_continues_from_its_finished_slabs_to_the_same_value
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     done = int(re.search(r"(\d) slab\(s\) of 4 to do here", resumed.stderr)[1])
     assert done <= 2  # the finished ones kept
-    assert np.array_equal(_hydro(out), _hydro(tmp_path / "reference"))
+    assert np.array_equal(_hydro(out), one_rank)
 
 
 MEMORY = """
