@@ -103,8 +103,9 @@ def table(records: list[dict[str, Any]]) -> str:
     its three components', the step time the global batch over the training's median rate, the mean over the seeds."""
     rows = [
         "| config | arm | seeds | L1 gas density | L1 velocity | L1 temperature | gas density P/P, min r "
-        "| temperature P/P, min r | speed P/P, min r | step ms (median) | training s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| temperature P/P, min r | vx P/P, min r | vy P/P, min r | vz P/P, min r | speed P/P, min r "
+        "| step ms (median) | training s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     newest: dict[tuple[str, str, int], dict[str, Any]] = {}
     for r in records:
@@ -116,7 +117,8 @@ def table(records: list[dict[str, Any]]) -> str:
         rows.append(
             f"| {config} | {arm} | {' / '.join(str(r['seed']) for r in rs)} "
             f"| {_l1(rs, 'gas_density')} | {_l1(rs, 'vx', 'vy', 'vz')} | {_l1(rs, 'temperature')} "
-            f"| {_span(rs, 'gas_density')} | {_span(rs, 'temperature')} | {_span(rs, 'speed')} "
+            f"| {_span(rs, 'gas_density')} | {_span(rs, 'temperature')} "
+            f"| {_span(rs, 'vx')} | {_span(rs, 'vy')} | {_span(rs, 'vz')} | {_span(rs, 'speed')} "
             f"| {statistics.mean(1000 * r['global_batch'] / r['samples_per_s'] for r in rs):.0f} "
             f"| {statistics.mean(r['train_wall_s'] for r in rs):.0f} |"
         )

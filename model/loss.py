@@ -1,6 +1,7 @@
 """The one loss of the project: L1 (the reference's), plus optional terms, all off by default: ``lambda_rho`` (gas
 density in original space), ``lambda_T`` and ``lambda_hot`` (the temperature in physical units, and weighted by
-it) and ``lambda_pk`` (the crops' power spectra). docs/training.md (Loss) says what each computes and why.
+it), ``lambda_v`` and ``lambda_div`` (the gas velocity, and its divergence) and ``lambda_pk`` (the crops' power
+spectra). docs/training.md (Loss) says what each computes and why.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ def crop_power(x: torch.Tensor) -> torch.Tensor:
     return (power / counts)[:, 1:]
 
 
+def divergence(v: torch.Tensor) -> torch.Tensor:
+    """div v of a batch of velocity crops (N, 3, S, S, S) by central differences, on the crops' interior voxels."""
+    return (
+        (v[:, 0, 2:, 1:-1, 1:-1] - v[:, 0, :-2, 1:-1, 1:-1])
+        + (v[:, 1, 1:-1, 2:, 1:-1] - v[:, 1, 1:-1, :-2, 1:-1])
+        + (v[:, 2, 1:-1, 1:-1, 2:] - v[:, 2, 1:-1, 1:-1, :-2])
+    ) / 2
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Loss:
     """Mean absolute error over all channels, plus the optional terms above. Computed in float32 whatever the
@@ -46,7 +56,14 @@ class Loss:
     lambda_pk: float = 0.0
     lambda_T: float = 0.0
     lambda_hot: float = 0.0
+    lambda_v: float = 0.0
+    lambda_div: float = 0.0
     temperature_log_range: float | None = None  # needed by lambda_T and lambda_hot
+    velocity: tuple[int, ...] = (
+        1,
+        2,
+        3,
+    )  # the target channels of the gas velocity's x, y and z, for lambda_v, lambda_div
 
     def __post_init__(self) -> None:
         if (self.lambda_T or self.lambda_hot) and not self.temperature_log_range:
@@ -66,6 +83,12 @@ class Loss:
                 loss = loss + self.lambda_T * (t_pred - t_true).abs().mean() / mean_t
             if self.lambda_hot:
                 loss = loss + self.lambda_hot * (t_true / mean_t * (pred[:, 4] - target[:, 4]).abs()).mean()
+        if self.lambda_v or self.lambda_div:
+            v_pred, v_true = (x[:, list(self.velocity)] for x in (pred, target))
+            if self.lambda_v:
+                loss = loss + self.lambda_v * (v_pred - v_true).abs().mean()
+            if self.lambda_div:
+                loss = loss + self.lambda_div * (divergence(v_pred) - divergence(v_true)).abs().mean()
         if self.lambda_pk:
             p_pred, p_true = crop_power(pred), crop_power(target)
             total = p_true.sum(dim=1).clamp_min(POWER_FLOOR)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from model import Loss, UNet
-from model.loss import crop_power
+from model.loss import crop_power, divergence
 from pipeline.layout import LOG_DENSITY_SCALE
 
 
@@ -144,3 +144,21 @@ def test_the_last_layer_padded_to_8_channels_computes_the_same():
     assert torch.allclose(outputs[0], outputs[1], rtol=1e-6, atol=1e-7)
     for p, q in zip(plain.parameters(), padded.parameters(), strict=True):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-9)
+
+
+def test_velocity_terms_are_l1_of_the_velocity_and_of_its_divergence():
+    gen = torch.Generator().manual_seed(4)
+    pred, target = torch.rand(2, 5, 6, 6, 6, generator=gen), torch.rand(2, 5, 6, 6, 6, generator=gen)
+    l1 = (pred - target).abs().mean().item()
+    velocity = (pred[:, 1:4] - target[:, 1:4]).abs().mean().item()
+    assert Loss(lambda_v=0.5)(pred, target).item() == pytest.approx(l1 + 0.5 * velocity, rel=1e-6)
+    # a flow x along x: divergence 1 on the interior; none for a uniform flow
+    ramp = torch.zeros(1, 5, 6, 6, 6)
+    ramp[:, 1] = torch.arange(6.0)[:, None, None]
+    uniform = torch.zeros(1, 5, 6, 6, 6)
+    uniform[:, 1] = 2.5
+    assert divergence(ramp[:, 1:4]).unique().tolist() == [1.0] and divergence(uniform[:, 1:4]).abs().max() == 0
+    plain = Loss()(ramp, uniform).item()
+    assert Loss(lambda_div=0.2)(ramp, uniform).item() == pytest.approx(plain + 0.2 * 1.0, rel=1e-6)
+    swapped = Loss(lambda_v=1.0, velocity=(3, 2, 1))(pred, target).item()  # channels named, in any order
+    assert swapped == pytest.approx(l1 + velocity, rel=1e-6)

@@ -21,7 +21,12 @@ def _record(arm, seed, ratio, wall_s):
         "seed": seed,
         "l1": {"gas_density": 0.001 * (seed + 1), "vx": 0.003, "vy": 0.004, "vz": 0.008, "temperature": 0.002},
         "target": {"k_max": 8, "power_tolerance": 0.1, "min_r": 0.95, "gas_density": stats, "temperature": stats},
-        "velocity_target": {"speed": {"power_ratio_min": None, "power_ratio_max": None, "r_min": None, "met": None}},
+        "velocity_target": {
+            "vx": {"power_ratio_min": 0.9, "power_ratio_max": 1.1, "r_min": 0.94, "met": False},
+            "vy": {"power_ratio_min": 0.8, "power_ratio_max": 1.2, "r_min": 0.93, "met": False},
+            "vz": {"power_ratio_min": 0.95, "power_ratio_max": 1.05, "r_min": 0.96, "met": True},
+            "speed": {"power_ratio_min": None, "power_ratio_max": None, "r_min": None, "met": None},
+        },
         "train_wall_s": wall_s,
         "samples_per_s": 50.0,
         "global_batch": 16,
@@ -35,7 +40,9 @@ def test_the_table_has_a_row_per_arm_with_the_newest_record_of_each_seed():
     assert len(rows) == 4
     assert rows[2] == (
         "| debug | baseline | 0 / 1 | 0.00100 / 0.00200 | 0.00500 / 0.00500 | 0.00200 / 0.00200 "
-        "| 0.60-0.70, 0.990 / 0.50-0.60, 0.990 | 0.60-0.70, 0.990 / 0.50-0.60, 0.990 | - / - | 320 | 75 |"
+        "| 0.60-0.70, 0.990 / 0.50-0.60, 0.990 | 0.60-0.70, 0.990 / 0.50-0.60, 0.990 "
+        "| 0.90-1.10, 0.940 / 0.90-1.10, 0.940 | 0.80-1.20, 0.930 / 0.80-1.20, 0.930 "
+        "| 0.95-1.05, 0.960 / 0.95-1.05, 0.960 | - / - | 320 | 75 |"
     )
     assert rows[3].startswith("| debug | lambda_T=0.1 | 0 | 0.00100 |")
 

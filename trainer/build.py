@@ -116,8 +116,20 @@ def build_loss(cfg: Config) -> Loss:
         lambda_pk=cfg.lambda_pk,
         lambda_T=cfg.lambda_T,
         lambda_hot=cfg.lambda_hot,
+        lambda_v=cfg.lambda_v,
+        lambda_div=cfg.lambda_div,
         temperature_log_range=temperature_log_range,
+        velocity=_velocity_channels(cfg),
     )
+
+
+def _velocity_channels(cfg: Config) -> tuple[int, ...]:
+    """The target channels of the gas velocity (target_vectors' first group), which lambda_v and lambda_div need."""
+    if cfg.target_vectors:
+        return tuple(cfg.target_vectors[0])
+    if cfg.lambda_v or cfg.lambda_div:
+        raise ConfigError("lambda_v and lambda_div need the gas velocity's channels: set target_vectors")
+    return (1, 2, 3)
 
 
 def validation_share(num_samples: int, batch: int, last_batch: str, *, rank: int, world_size: int) -> tuple[int, int]:

@@ -181,6 +181,17 @@ class Config:
         "temperature's normalization, as lambda_T)",
         bound="non-negative",
     )
+    lambda_v: float = _field(
+        0.0,
+        "weight of an extra L1 term on the gas velocity channels (target_vectors' first group)",
+        bound="non-negative",
+    )
+    lambda_div: float = _field(
+        0.0,
+        "weight of an L1 term on the gas velocity's divergence (central differences inside each crop), predicted "
+        "against true",
+        bound="non-negative",
+    )
     temperature_log_range: float | None = _field(
         None,
         "the targets' temperature normalization: channel 4 holds log10(T / T0) / temperature_log_range (null: what "
