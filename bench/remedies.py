@@ -7,8 +7,8 @@
 An arm is ``name`` (the config as it is) or ``key=value[,key=value]`` (options of ds_train.py, without the
 dashes). A run whose directory already holds a finished summary and metrics is not run again. Each (arm, seed) is
 one record in bench/results/remedies.jsonl: L1 per channel (the table shows the velocity's as one mean), the
-science target's statistics for gas density and temperature (and the velocities), the training's wall time and
-step rate.
+science target's statistics per field (gas density, temperature, vx, vy, vz; the speed beside them), the
+training's wall time and step rate.
 """
 
 from __future__ import annotations
@@ -76,8 +76,7 @@ def run_arm(config: str, arm: str, seed: int, *, out_dir: Path, val_path: str) -
         "k_ranges": metrics["k_ranges"],
         "summary": metrics["summary"],
     }
-    for name, target in (("target", metrics["target"]), ("velocity_target", metrics["velocity_target"])):
-        record[name] = {field: stats for field, stats in target.items() if isinstance(stats, dict)}
+    record["target"] = {field: stats for field, stats in metrics["target"].items() if isinstance(stats, dict)}
     return record
 
 
@@ -85,8 +84,8 @@ def _span(records: list[dict[str, Any]], field: str) -> str:
     """A field's power ratios (lowest-highest over the target's shells) and lowest r, one seed after another."""
     cells = []
     for r in records:
-        t = r["target"][field] if field in r["target"] else r["velocity_target"][field]
-        if t["met"] is None:
+        t = r["target"][field] if field in r["target"] else r["velocity_target"][field]  # older records: apart
+        if t["r_min"] is None:
             cells.append("-")
         else:
             cells.append(f"{t['power_ratio_min']:.2f}-{t['power_ratio_max']:.2f}, {t['r_min']:.3f}")

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from model.metrics import VELOCITIES
 from pipeline.layout import HYDRO_CHANNELS, LOG_DENSITY_SCALE, NBODY_CHANNELS
 
 
@@ -89,12 +90,13 @@ def _limits(values: list[np.ndarray], floor: float, ceiling: float, *, margin: f
 
 
 def spectra(metrics: dict[str, Any], path: Path) -> Path:
-    """P_pred / P_true and r(k) for gas density and temperature, on linear axes scaled to the large and intermediate
-    scales, so that deviations of a few percent show; the named k ranges are shaded, and values beyond the axis
-    (small scales, where a smooth truth has almost no power) are drawn at its edge."""
+    """P_pred / P_true and r(k) for the science target's fields (the velocity's components dashed), on linear axes
+    scaled to the large and intermediate scales, so that deviations of a few percent show; the named k ranges are
+    shaded, the target's bounds dashed, and values beyond the axis (small scales, where a smooth truth has almost no
+    power) are drawn at its edge."""
     plt = _pyplot()
-    ranges = metrics["k_ranges"]
-    fields = ("gas_density", "temperature")
+    ranges, target = metrics["k_ranges"], metrics["target"]
+    fields = target["fields"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     upto = ranges.get("intermediate", ranges["large_scales"])[1]  # the k the axes are scaled to
     # Capped at 1.5 (and r at 0.5 below): a few percent stays a visible share of the axis.
@@ -105,7 +107,12 @@ def spectra(metrics: dict[str, Any], path: Path) -> Path:
         lo, hi = max(lo, 0.5), min(hi, cap)
         for field in fields:
             values = np.asarray(metrics[field][stat], dtype=float)
-            ax.plot(k, np.clip(values, lo, hi), marker=".", label=field.replace("_", " "))
+            style = "--" if field in VELOCITIES else "-"
+            ax.plot(k, np.clip(values, lo, hi), style, marker=".", markersize=4, label=field.replace("_", " "))
+        bounds = (1 - target["power_tolerance"], 1 + target["power_tolerance"]) if stat == "power_ratio" else ()
+        for y in bounds or (target["min_r"],):
+            ax.axhline(y, color="firebrick", linestyle="--", lw=0.8)
+        ax.axvline(target["k_max"] + 0.5, color="firebrick", linestyle="--", lw=0.8, label="science target")
         for i, (name, (k_lo, k_hi)) in enumerate(ranges.items()):
             ax.axvspan(k_lo - 0.5, k_hi + 0.5, color="0.5", alpha=0.08 * (i % 2 + 1), lw=0)
             ax.text(

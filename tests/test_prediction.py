@@ -202,10 +202,10 @@ def _smooth_fields(count, n, seed):
     return np.fft.irfftn(np.fft.rfftn(g, axes=(1, 2, 3)) * (shells <= 6), s=(n, n, n), axes=(1, 2, 3))
 
 
-def test_the_velocities_are_reported_and_judged_apart_from_the_science_target():
-    """Density and temperature exact, the flows not: the science target is met and the velocities' own line says
-    which component is off. Their spectra are of the field itself: twice the velocity is four times the power (a
-    contrast would not see it)."""
+def test_the_science_target_judges_each_velocity_component_and_reports_the_speed():
+    """Density and temperature exact, the flows not: the target's verdict names the components that are off, one
+    line per field, and the speed is reported beside them without a verdict. The velocity spectra are of the field
+    itself: twice the velocity is four times the power (a contrast would not see it)."""
     n = 32
     fields = _smooth_fields(5, n, seed=6)
     true = np.zeros((5, n, n, n))
@@ -216,11 +216,12 @@ def test_the_velocities_are_reported_and_judged_apart_from_the_science_target():
     pred[1] = 2 * true[1]  # vx: the right pattern, twice as strong
     pred[3] = true[3] + 0.1 * _smooth_fields(1, n, seed=7)[0]  # vz: another field added
     metrics = compare(pred, true, Normalization(temperature_log_range=3.0))
-    assert metrics["target"]["gas_density"]["met"] and metrics["target"]["temperature"]["met"]
-    velocity = metrics["velocity_target"]
-    assert velocity["vx"]["power_ratio_min"] == pytest.approx(4.0) and velocity["vx"]["r_min"] == pytest.approx(1.0)
-    assert velocity["vy"]["met"] and not velocity["vx"]["met"] and not velocity["vz"]["met"]
-    assert velocity["vz"]["r_min"] < 0.95 and not velocity["speed"]["met"]
+    target = metrics["target"]
+    assert target["fields"] == ["gas_density", "temperature", "vx", "vy", "vz"] and not target["met"]
+    assert target["gas_density"]["met"] and target["temperature"]["met"] and target["vy"]["met"]
+    assert target["vx"]["power_ratio_min"] == pytest.approx(4.0) and target["vx"]["r_min"] == pytest.approx(1.0)
+    assert not target["vx"]["met"] and not target["vz"]["met"] and target["vz"]["r_min"] < 0.95
+    assert not target["speed"]["judged"] and target["vz"]["judged"]
     speed = np.sqrt(np.square(true[1:4]).sum(0))
     expected = spectra(np.sqrt(np.square(pred[1:4]).sum(0)), speed)
     assert metrics["speed"]["power_ratio"] == pytest.approx((expected["p_a"] / expected["p_b"]).tolist())
@@ -229,16 +230,20 @@ def test_the_velocities_are_reported_and_judged_apart_from_the_science_target():
         "vy_r_intermediate"
     ] == pytest.approx(1.0)
     table = spectra_table(metrics)
-    assert "gas density  P/P 1.000-1.000, r >= 1.000: met" in table
-    velocities = table[table.index("velocities, apart from the science target, every shell k 1-4") :]
-    assert "vx           P/P 4.000-4.000, r >= 1.000: not met" in velocities
-    assert "vy           P/P 1.000-1.000, r >= 1.000: met" in velocities
+    verdicts = table[table.index("science target, every shell k 1-4") :].splitlines()
+    assert verdicts[1] == "  gas density  P/P 1.000-1.000, r >= 1.000: met"
+    assert verdicts[3] == "  vx           P/P 4.000-4.000, r >= 1.000: not met"
+    assert verdicts[4] == "  vy           P/P 1.000-1.000, r >= 1.000: met"
+    assert verdicts[6].startswith("  speed        P/P ") and verdicts[6].endswith(": reported, not judged")
+    assert verdicts[7] == "science target not met by vx, vz"
     assert "large scales (k 1-2)" in table and "vx P/P 4.000, r 1.000; vy P/P 1.000, r 1.000" in table
+    true_again = compare(true, true, Normalization(temperature_log_range=3.0))
+    assert true_again["target"]["met"] and spectra_table(true_again).endswith("science target met by every field")
 
 
 def test_a_truth_without_flows_leaves_the_velocities_unjudged():
     """Files whose velocities are all zero: no ratios of nothing, and the report says the velocities are not
-    judged instead of failing or writing NaN."""
+    judged instead of failing or writing NaN; the verdict is of the fields judged."""
     n = 16
     fields = _smooth_fields(2, n, seed=8)
     true = np.zeros((5, n, n, n))
@@ -249,8 +254,10 @@ def test_a_truth_without_flows_leaves_the_velocities_unjudged():
     metrics = compare(pred, true, Normalization(temperature_log_range=3.0))
     json.dumps(metrics, allow_nan=False)
     assert metrics["vx"]["truth_cutoff_k"] == 0 and set(metrics["vx"]["power_ratio"]) == {None}
-    assert metrics["velocity_target"]["vx"]["met"] is None and metrics["summary"]["vx_r_large_scales"] is None
-    assert "vx           no fluctuations in the truth: not judged" in spectra_table(metrics)
+    assert metrics["target"]["vx"]["met"] is None and metrics["summary"]["vx_r_large_scales"] is None
+    table = spectra_table(metrics)
+    assert "vx           no fluctuations in the truth: not judged" in table and metrics["target"]["met"]
+    assert table.endswith("science target met by every judged field")
 
 
 def test_export_round_trip_gives_identical_outputs(tmp_path):

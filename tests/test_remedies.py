@@ -20,12 +20,13 @@ def _record(arm, seed, ratio, wall_s):
         "arm": arm,
         "seed": seed,
         "l1": {"gas_density": 0.001 * (seed + 1), "vx": 0.003, "vy": 0.004, "vz": 0.008, "temperature": 0.002},
-        "target": {"k_max": 8, "power_tolerance": 0.1, "min_r": 0.95, "gas_density": stats, "temperature": stats},
-        "velocity_target": {
-            "vx": {"power_ratio_min": 0.9, "power_ratio_max": 1.1, "r_min": 0.94, "met": False},
-            "vy": {"power_ratio_min": 0.8, "power_ratio_max": 1.2, "r_min": 0.93, "met": False},
-            "vz": {"power_ratio_min": 0.95, "power_ratio_max": 1.05, "r_min": 0.96, "met": True},
-            "speed": {"power_ratio_min": None, "power_ratio_max": None, "r_min": None, "met": None},
+        "target": {
+            "gas_density": stats,
+            "temperature": stats,
+            "vx": {"power_ratio_min": 0.9, "power_ratio_max": 1.1, "r_min": 0.94, "met": False, "judged": True},
+            "vy": {"power_ratio_min": 0.8, "power_ratio_max": 1.2, "r_min": 0.93, "met": False, "judged": True},
+            "vz": {"power_ratio_min": 0.95, "power_ratio_max": 1.05, "r_min": 0.96, "met": True, "judged": True},
+            "speed": {"power_ratio_min": None, "power_ratio_max": None, "r_min": None, "met": None, "judged": False},
         },
         "train_wall_s": wall_s,
         "samples_per_s": 50.0,
@@ -35,8 +36,9 @@ def _record(arm, seed, ratio, wall_s):
 
 def test_the_table_has_a_row_per_arm_with_the_newest_record_of_each_seed():
     records = [_record("baseline", 1, 0.5, 70), _record("baseline", 0, 0.4, 60), _record("baseline", 0, 0.6, 80)]
-    records.append(_record("lambda_T=0.1", 0, 0.9, 90))
-    rows = table(records).splitlines()
+    older = _record("lambda_T=0.1", 0, 0.9, 90)  # records from before the target judged the velocities
+    older["velocity_target"] = {field: older["target"].pop(field) for field in ("vx", "vy", "vz", "speed")}
+    rows = table([*records, older]).splitlines()
     assert len(rows) == 4
     assert rows[2] == (
         "| debug | baseline | 0 / 1 | 0.00100 / 0.00200 | 0.00500 / 0.00500 | 0.00200 / 0.00200 "
@@ -44,7 +46,10 @@ def test_the_table_has_a_row_per_arm_with_the_newest_record_of_each_seed():
         "| 0.90-1.10, 0.940 / 0.90-1.10, 0.940 | 0.80-1.20, 0.930 / 0.80-1.20, 0.930 "
         "| 0.95-1.05, 0.960 / 0.95-1.05, 0.960 | - / - | 320 | 75 |"
     )
-    assert rows[3].startswith("| debug | lambda_T=0.1 | 0 | 0.00100 |")
+    assert (
+        rows[3].startswith("| debug | lambda_T=0.1 | 0 | 0.00100 |")
+        and "| 0.90-1.10, 0.940 | 0.80-1.20, 0.930 |" in rows[3]
+    )
 
 
 def test_the_range_table_gives_the_medians_per_k_range_and_leaves_out_records_without_them():
