@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
 
 from tests.conftest import run_train, tiny_args
-from trainer.op_builds import build_dir, settle_build_lock
+from trainer.op_builds import build_dir, settle_build_lock, use_environment_ninja
 
 OP = "some_op"
 
@@ -104,3 +105,17 @@ def test_a_training_run_gets_past_a_lock_left_on_deepspeeds_cpu_op(tmp_path):
         rf"removed {re.escape(str(lock))}, left 36\d\d s ago by a build of DeepSpeed's deepspeed_shm_comm",
         result.stderr,
     )
+
+
+def test_the_environments_ninja_goes_before_the_systems(monkeypatch, tmp_path):
+    """A system ninja first on PATH (a venv not activated): the builds use the venv's all the same, so that starts
+    with and without the venv active do not rebuild each other's ops; once on PATH, it is not added again."""
+    for where in ("usr/bin", "venv/bin"):
+        (tmp_path / where).mkdir(parents=True)
+        (tmp_path / where / "ninja").write_text("#!/bin/sh\necho 1.11.1\n")
+        (tmp_path / where / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "usr" / "bin"))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    assert use_environment_ninja() and use_environment_ninja()
+    assert shutil.which("ninja") == str(tmp_path / "venv" / "bin" / "ninja")
+    assert os.environ["PATH"].split(os.pathsep).count(str(tmp_path / "venv" / "bin")) == 1

@@ -19,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from common.launch import DistEnv, DistError, first_host, is_main_process, start_process_group, tasks_on_node
 from pipeline.shared import PREFIX as SHARED_PREFIX
 from pipeline.shared import SHM, reclaim_stale
-from trainer.op_builds import jit_built, settle_build_lock
+from trainer.op_builds import jit_built, settle_build_lock, use_environment_ninja
 from trainer.provenance import cpu_info
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ def init_distributed(dist: DistEnv, timeout_s: float) -> Device:
         torch.cuda.set_device(index)
         os.environ["LOCAL_RANK"] = str(index)  # DeepSpeed takes its device from LOCAL_RANK
     else:
+        use_environment_ninja()
         if dist.is_main:
             announce_cpu_comm_build()
         settle_build_lock(_CPU_COMM_OP, clears=dist.local_rank == 0)

@@ -4,34 +4,20 @@ is a traceback deep inside it), and a TORCH_CUDA_ARCH_LIST that DeepSpeed's op b
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 import os
 import re
-import shutil
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.dist import is_main_process
-from trainer.op_builds import jit_built, settle_build_lock
+from trainer.op_builds import jit_built, settle_build_lock, use_environment_ninja
 
 log = logging.getLogger(__name__)
 
 # What takes DeepSpeed's FusedAdam's place where it cannot be built: torch's own fused Adam, the same math.
 TORCH_FUSED_ADAM = {"torch_adam": True, "fused": True}
-
-
-def _ninja_dirs() -> list[str]:
-    """Where a ninja that is not on PATH may be: beside this interpreter (a virtual environment not activated), and
-    the bin directory beside the ninja package (wheels installed with pip --target SITE put it in SITE/bin)."""
-    dirs = [str(Path(sys.executable).parent)]
-    spec = importlib.util.find_spec("ninja")
-    if spec is not None and spec.origin is not None:
-        dirs.append(str(Path(spec.origin).parent.parent / "bin"))
-    return dirs
 
 
 # An entry of TORCH_CUDA_ARCH_LIST as torch reads it: '9.0', '9.0+PTX', and with an arch suffix, '9.0a' or '10.0f'.
@@ -123,11 +109,8 @@ def fused_adam_problem() -> str | None:
     settle_build_lock(builder.name, clears=os.environ.get("LOCAL_RANK", "0") == "0")  # exported by dist.export()
     if jit_built(builder.name)[0]:
         return None
-    if shutil.which("ninja") is None:
-        found = [d for d in _ninja_dirs() if shutil.which("ninja", path=d)]
-        if not found:
-            return "ninja is not on PATH (pip install ninja)"
-        os.environ["PATH"] = found[0] + os.pathsep + os.environ.get("PATH", "")  # where torch's JIT build looks
+    if not use_environment_ninja():
+        return "ninja is not on PATH (pip install ninja)"
     if not hasattr(builder, "compute_capability_args"):
         return None  # the accelerator's own op (a CPU's), built with the host compiler
     if torch.version.cuda is None:

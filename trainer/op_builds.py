@@ -1,4 +1,5 @@
-"""DeepSpeed's ops that torch builds on first use (its CPU communication op, FusedAdam) and the lock of a build.
+"""DeepSpeed's ops that torch builds on first use (its CPU communication op, FusedAdam): the ninja that builds them
+and the lock of a build.
 
 torch builds such an op once into its extension cache, under a lock file that the building process holds open; any
 other process waits for that file to go, with no time limit. A build stopped part way (a job cancelled or requeued
@@ -9,8 +10,11 @@ no process on this machine holds once it is older than any build.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +25,28 @@ log = logging.getLogger(__name__)
 # file system): such a lock is taken as left behind only once it is older than this.
 STALE_LOCK_S = 300.0
 _POLL_S = 1.0
+
+
+def _ninja_dirs() -> list[str]:
+    """Where the ninja of this interpreter's environment may be: beside the interpreter (a virtual environment, active
+    or not), and the bin directory beside the ninja package (wheels installed with pip --target SITE put it there)."""
+    dirs = [str(Path(sys.executable).parent)]
+    spec = importlib.util.find_spec("ninja")
+    if spec is not None and spec.origin is not None:
+        dirs.append(str(Path(spec.origin).parent.parent / "bin"))
+    return dirs
+
+
+def use_environment_ninja() -> bool:
+    """Put the environment's ninja first on PATH, where torch's JIT builds look; whether any ninja is there. One ninja
+    for every start: two versions (a venv's and the system's) record a build's command differently in its log, so
+    each rebuilt every op the other had built whenever a start found the other first."""
+    found = [d for d in _ninja_dirs() if shutil.which("ninja", path=d)]
+    if found:
+        path = os.environ.get("PATH", "")
+        if path.split(os.pathsep)[0] != found[0]:
+            os.environ["PATH"] = found[0] + os.pathsep + path
+    return bool(found) or shutil.which("ninja") is not None
 
 
 def build_dir(name: str) -> Path:
