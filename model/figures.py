@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from model.metrics import VELOCITIES
+from model.metrics import FIELDS, VELOCITIES
 from pipeline.layout import HYDRO_CHANNELS, LOG_DENSITY_SCALE, NBODY_CHANNELS
 
 
@@ -96,13 +96,13 @@ def spectra(metrics: dict[str, Any], path: Path) -> Path:
     power) are drawn at its edge."""
     plt = _pyplot()
     ranges, target = metrics["k_ranges"], metrics["target"]
-    fields = target["fields"]
+    fields = target.get("fields", FIELDS)  # metrics.json from before the velocities were judged: the two fields
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     upto = ranges.get("intermediate", ranges["large_scales"])[1]  # the k the axes are scaled to
     # Capped at 1.5 (and r at 0.5 below): a few percent stays a visible share of the axis.
     for ax, stat, floor, ceiling, cap in ((left, "power_ratio", 0.9, 1.1, 1.5), (right, "r", 0.9, 1.0, 1.05)):
         k = np.asarray(metrics[fields[0]]["k"])
-        shown = [np.asarray(metrics[f][stat])[k <= upto] for f in fields]
+        shown = [np.asarray(metrics[f][stat], dtype=float)[k <= upto] for f in fields]  # None (no truth): NaN
         lo, hi = _limits(shown, floor, ceiling, margin=0.02)
         lo, hi = max(lo, 0.5), min(hi, cap)
         for field in fields:

@@ -301,7 +301,8 @@ def science_target(metrics: dict[str, Any]) -> dict[str, Any]:
             stats = {"power_ratio_min": min(ratio), "power_ratio_max": max(ratio), "r_min": min(r), "met": met}
         target[field] = stats | {"judged": field in JUDGED}
     target["fields"] = list(JUDGED)
-    target["met"] = all(target[f]["met"] is not False for f in JUDGED)
+    verdicts = [target[f]["met"] for f in JUDGED if target[f]["met"] is not None]
+    target["met"] = all(verdicts) if verdicts else None
     return target
 
 
@@ -378,7 +379,12 @@ def _target_lines(target: dict[str, Any]) -> list[str]:
         )
     missed = [f.replace("_", " ") for f in target["fields"] if target[f]["met"] is False]
     unjudged = "" if all(target[f]["met"] is not None for f in target["fields"]) else " judged"
-    lines.append(
-        f"science target not met by {', '.join(missed)}" if missed else f"science target met by every{unjudged} field"
-    )
+    if target["met"] is None:
+        lines.append("science target: no field to judge (the truth has no fluctuations)")
+    else:
+        lines.append(
+            f"science target not met by {', '.join(missed)}"
+            if missed
+            else f"science target met by every{unjudged} field"
+        )
     return lines

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.hold import hold_directory, hold_file
-from model import UNet
+from model import UNet, figures
 from model.emulator import Emulator, EmulatorSpec, export, from_run_dir, from_weights
 from model.emulator import main as export_main
 from model.metrics import Normalization, _shells, compare, contrast, spectra, spectra_table
@@ -241,7 +241,7 @@ def test_the_science_target_judges_each_velocity_component_and_reports_the_speed
     assert true_again["target"]["met"] and spectra_table(true_again).endswith("science target met by every field")
 
 
-def test_a_truth_without_flows_leaves_the_velocities_unjudged():
+def test_a_truth_without_flows_leaves_the_velocities_unjudged(tmp_path):
     """Files whose velocities are all zero: no ratios of nothing, and the report says the velocities are not
     judged instead of failing or writing NaN; the verdict is of the fields judged."""
     n = 16
@@ -258,6 +258,7 @@ def test_a_truth_without_flows_leaves_the_velocities_unjudged():
     table = spectra_table(metrics)
     assert "vx           no fluctuations in the truth: not judged" in table and metrics["target"]["met"]
     assert table.endswith("science target met by every judged field")
+    assert figures.spectra(metrics, tmp_path / "spectra.png").stat().st_size > 0  # their lines left out, not a failure
 
 
 def test_export_round_trip_gives_identical_outputs(tmp_path):
