@@ -119,3 +119,17 @@ def test_the_environments_ninja_goes_before_the_systems(monkeypatch, tmp_path):
     assert use_environment_ninja() and use_environment_ninja()
     assert shutil.which("ninja") == str(tmp_path / "venv" / "bin" / "ninja")
     assert os.environ["PATH"].split(os.pathsep).count(str(tmp_path / "venv" / "bin")) == 1
+
+
+def test_a_system_interpreters_directory_is_not_put_first(monkeypatch, tmp_path):
+    """Outside a virtual environment the interpreter's directory is /usr/bin: putting it first would hide the
+    compilers a user's modules put on PATH, so only a ninja package's own bin directory may go first."""
+    (tmp_path / "usr" / "bin").mkdir(parents=True)
+    (tmp_path / "usr" / "bin" / "ninja").write_text("#!/bin/sh\necho 1.11.1\n")
+    (tmp_path / "usr" / "bin" / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'modules'}{os.pathsep}{tmp_path / 'usr' / 'bin'}")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "usr" / "bin" / "python3"))
+    monkeypatch.setattr(sys, "base_prefix", sys.prefix)
+    monkeypatch.setitem(sys.modules, "ninja", None)  # no ninja package
+    assert use_environment_ninja()  # the system's, where it was
+    assert os.environ["PATH"].split(os.pathsep)[0] == str(tmp_path / "modules")

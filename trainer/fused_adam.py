@@ -107,9 +107,10 @@ def fused_adam_problem() -> str | None:
     if problem := fit_arch_list() or arch_list_problem(builder):  # parsed even where the op was built before
         return problem
     settle_build_lock(builder.name, clears=os.environ.get("LOCAL_RANK", "0") == "0")  # exported by dist.export()
+    has_ninja = use_environment_ninja()  # torch runs ninja on every load, a build from before included
     if jit_built(builder.name)[0]:
         return None
-    if not use_environment_ninja():
+    if not has_ninja:
         return "ninja is not on PATH (pip install ninja)"
     if not hasattr(builder, "compute_capability_args"):
         return None  # the accelerator's own op (a CPU's), built with the host compiler

@@ -28,9 +28,10 @@ _POLL_S = 1.0
 
 
 def _ninja_dirs() -> list[str]:
-    """Where the ninja of this interpreter's environment may be: beside the interpreter (a virtual environment, active
-    or not), and the bin directory beside the ninja package (wheels installed with pip --target SITE put it there)."""
-    dirs = [str(Path(sys.executable).parent)]
+    """Where the ninja of this interpreter's environment may be: beside the interpreter of a virtual environment
+    (active or not; a system interpreter's directory would put all of /usr/bin before the user's modules), and the
+    bin directory beside the ninja package (wheels installed with pip --target SITE put it there)."""
+    dirs = [str(Path(sys.executable).parent)] if sys.prefix != sys.base_prefix else []
     spec = importlib.util.find_spec("ninja")
     if spec is not None and spec.origin is not None:
         dirs.append(str(Path(spec.origin).parent.parent / "bin"))
