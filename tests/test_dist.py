@@ -165,7 +165,9 @@ try:
     import torch, torch.distributed as dist
     total = torch.ones(1)
     dist.all_reduce(total)
-    print(json.dumps({"ranks": total.item()}))
+    print(json.dumps({"ranks": total.item()}), flush=True)
+    if os.environ.get("HOLD_UNTIL_EOF"):  # the rendezvous stays up until the test has every outcome
+        sys.stdin.read()
 except DistError as err:
     print(json.dumps({"error": str(err), "s": time.monotonic() - start}))
 """
@@ -177,6 +179,7 @@ def _start(timeout_s: float, **env: str) -> subprocess.Popen:
         [sys.executable, "-c", START, str(timeout_s)],
         cwd=REPO,
         env={**single_process_env(), "PYTHONPATH": str(REPO), **variables},
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -239,8 +242,11 @@ def test_launch_faults_are_one_line_each_within_the_timeout():
 
 def test_ranks_started_with_one_rank_or_two_world_sizes_are_one_line_and_the_group_goes_on():
     port = str(_free_port())
-    ranks = [_start(20, MASTER_PORT=port, WORLD_SIZE="2", RANK=r, LOCAL_RANK=r) for r in ("0", "1", "1")]
-    outcomes = [_outcome(p) for p in ranks]
+    held = {"MASTER_PORT": port, "WORLD_SIZE": "2", "HOLD_UNTIL_EOF": "1"}  # a late duplicate still finds rank 0
+    ranks = [_start(20, RANK=r, LOCAL_RANK=r, **held) for r in ("0", "1", "1")]
+    outcomes = [next(json.loads(line) for line in p.stdout if line.startswith("{")) for p in ranks]
+    for p in ranks:
+        p.communicate(timeout=120)
     assert [o for o in outcomes if "error" not in o] == [{"ranks": 2.0}] * 2, outcomes  # the group of two goes on
     (twice,) = [o["error"] for o in outcomes if "error" in o]
     assert twice.startswith("rank 1 was started twice (process ") and "give each process a RANK of its own" in twice
