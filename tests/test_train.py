@@ -1,6 +1,7 @@
 """ds_train.py end to end, as a user runs it: real DeepSpeed engine, real DALI pipeline, real files."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -104,6 +105,20 @@ def test_a_step_cadence_saves_mid_epoch_and_resumes_from_there_exactly(tmp_path,
     assert resumed["resumed_from"] == {"epoch": 1, "batch_in_epoch": 4}
     assert resumed["final_val_loss"] == expected["final_val_loss"]
     assert resumed["rank_weight_digests"] == expected["rank_weight_digests"]
+
+
+def test_a_step_cadence_at_an_epochs_end_saves_once_with_the_epoch_done(tmp_path):
+    """Every 16 steps, the length of an epoch: the save due at its last step waits for the epoch's validation, so
+    that its checkpoint says the epoch is done (a resume starts the next one) and the step is saved once."""
+    run = tmp_path / "run"
+    cadence = ["--checkpoint_every_epochs", "0", "--checkpoint_every_steps", "16"]
+    _ok(run_train(shared_tiny_args(tmp_path, run, "--num_epochs", "2", *cadence)))
+    saved = re.findall(r"checkpoint (step\d+) saved", (run / "train.log").read_text())
+    assert saved == ["step00000016", "step00000032"]
+    shutil.rmtree(run / "checkpoints" / "step00000032")
+    (run / "checkpoints" / "latest").write_text("step00000016")
+    _ok(run_train(["--run_dir", str(run), "--resume"]))
+    assert json.loads((run / "summary.json").read_text())["resumed_from"] == {"epoch": 1, "batch_in_epoch": 0}
 
 
 def test_backends_and_storage_modes_train_identically(tmp_path, straight):

@@ -214,7 +214,7 @@ class Checkpointer:
             _fsync_own_files(partial, 0)
             _publish(self.ckpt_dir, partial.name, tag)
             _prune(self.ckpt_dir, self.keep)
-        except OSError as err:
+        except Exception as err:  # any failure is said on every rank by finish(), never lost with the thread
             self._published = (tag, err)
 
     def finish(self) -> None:

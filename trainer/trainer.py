@@ -128,7 +128,9 @@ class Trainer:
             every_minutes=cfg.checkpoint_every_minutes,
         )
         self.timed_save = False  # the clock's save, agreed at the last log point
-        self.saved_step = self.engine.global_steps if resume else None
+        self.save_at_epoch_end = False  # a save due at an epoch's last step, made once the epoch is done
+        # (step, epoch, batch) of the newest checkpoint: the one resumed from, then each this run saves
+        self.saved = (self.engine.global_steps, self.epoch, self.batch_in_epoch) if resume else None
 
     def wait_for_every_rank(self) -> None:
         """Return once every rank has built its trainer (passed its checks); one that failed says why itself."""
@@ -151,7 +153,9 @@ class Trainer:
     def _save(self, *, wait: bool = False) -> None:
         """A checkpoint of this step (none where one was just saved); with ``wait``, on disk and latest on return."""
         self.cadence.saved()
-        if self.saved_step == self.engine.global_steps:
+        self.timed_save = False  # this save is the clock's too
+        position = (self.engine.global_steps, self.epoch, self.batch_in_epoch)
+        if self.saved == position:  # saved already (a step's cadence, then a stop at that step)
             if wait:
                 self.checkpoints.finish()
             return
@@ -164,7 +168,7 @@ class Trainer:
         }
         self.run.check_held()
         tag = self.checkpoints.save(state, wait=wait)
-        self.saved_step = self.engine.global_steps
+        self.saved = position
         log.info("checkpoint %s saved", tag)
 
     def _science_metrics(self) -> None:
@@ -298,7 +302,7 @@ class Trainer:
         desc = f"epoch {self.epoch + 1}/{cfg.num_epochs}"
         bar = tqdm(total=self.steps_per_epoch, initial=done_steps, desc=desc, disable=not show_bar, leave=False)
         self.interval = Interval(start=time.perf_counter())
-        for _ in self._optimizer_steps():
+        for step_in_epoch, _ in enumerate(self._optimizer_steps(), start=done_steps + 1):
             self.interval.steps += 1
             bar.update(1)
             if engine.global_steps % cfg.log_every_steps == 0:
@@ -310,7 +314,10 @@ class Trainer:
                 return True
             if self.cadence.after_step(engine.global_steps, timed=self.timed_save):
                 self.timed_save = False
-                self._save()
+                if step_in_epoch == self.steps_per_epoch:  # the epoch's end saves it, with the epoch done
+                    self.save_at_epoch_end = True
+                else:
+                    self._save()
         if self.interval.steps:
             intervals.append(self._log_interval(self.interval, bar))
         bar.close()
@@ -329,7 +336,8 @@ class Trainer:
         if self.epoch < last_epoch:
             self.guard.agree()
         last = self.guard.stopping or self.epoch == last_epoch
-        if last or self.cadence.after_epoch(self.epoch, last=last_epoch):
+        if last or self.save_at_epoch_end or self.cadence.after_epoch(self.epoch, last=last_epoch):
+            self.save_at_epoch_end = False
             self._save(wait=last)
         return self.guard.stopping
 
