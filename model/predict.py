@@ -12,7 +12,6 @@ killed part way continues from its finished slabs. docs/prediction.md tells the 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from model.metrics import Normalization, compare, spectra_table
 from model.tiling import Tiling, Timing, predict_blocks
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, NBODY_DATASET
 from pipeline.volumes import DataError, open_hdf5, open_npy, read_hdf5
+from trainer.provenance import tensor_digest
 
 log = logging.getLogger("predict")
 
@@ -211,13 +211,11 @@ def predict_file(
 def _params(emulator: Emulator, input_path: Path, *, tiling: Tiling, precision: str, compression: str | None) -> str:
     """What makes a slab this prediction's: the input (path, size, time), the emulator and the settings."""
     stat = input_path.stat()
-    weights = hashlib.sha256()
-    for tensor in emulator.model.state_dict().values():
-        weights.update(tensor.detach().float().cpu().numpy().tobytes()[:4096])
+    weights = tensor_digest(emulator.model.state_dict().values())  # every value: a retrained run's slabs are not kept
     return json.dumps(
         {
             "input": [str(input_path.resolve()), stat.st_size, stat.st_mtime_ns],
-            "emulator": [emulator.source, weights.hexdigest()[:16]],
+            "emulator": [emulator.source, weights[:16]],
             "tiles": [tiling.box, tiling.crop, tiling.overlap],
             "precision": precision,
             "compression": compression,
@@ -282,8 +280,7 @@ def run(args: Namespace, dist: DistEnv | None) -> int:
         if args.weights:
             emulator, default_out = from_weights(args.weights), args.weights.with_suffix("")
         else:
-            run_dir = args.run_dir or latest_run()
-            emulator, default_out = from_run_dir(run_dir, args.tag), run_dir / "prediction"
+            emulator, default_out = from_run_dir(args.run_dir, args.tag), args.run_dir / "prediction"
         out_dir = args.out or default_out
         (out_dir / SLABS).mkdir(parents=True, exist_ok=True)
         overlap = emulator.spec.crop_size // 4 if args.overlap is None else args.overlap
@@ -387,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not dist.is_main:
         logging.getLogger().setLevel(logging.WARNING)
-    if args.device is None:
+    if args.device is None or (args.device == "cuda" and torch.cuda.is_available()):  # each rank its own GPU
         args.device = f"cuda:{dist.local_rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     try:
         return _held(args, dist)
@@ -401,9 +398,9 @@ def _held(args: Namespace, dist: DistEnv) -> int:
     hold, refused = None, ""
     if dist.is_main:
         try:
-            out = args.out or (
-                args.weights.with_suffix("") if args.weights else (args.run_dir or latest_run()) / "prediction"
-            )
+            if not args.weights and args.run_dir is None:
+                args.run_dir = latest_run()  # found once, here: every rank predicts with this run's weights
+            out = args.out or (args.weights.with_suffix("") if args.weights else args.run_dir / "prediction")
             hold = hold_directory(out, "wait for it to end, or choose another --out")
         except (HeldError, EmulatorError) as err:
             refused = str(err)
@@ -411,6 +408,10 @@ def _held(args: Namespace, dist: DistEnv) -> int:
     if refused:
         log.error("%s", refused)
         return 2
+    if dist.world_size > 1:
+        shared = [args.run_dir]
+        torch_dist.broadcast_object_list(shared, src=0)
+        args.run_dir = shared[0]
     try:
         return run(args, dist if dist.world_size > 1 else None)
     finally:

@@ -270,7 +270,8 @@ class _Blender:
         lo, hi = self.tiling.blocks[block]
         values = self.blocks.pop(block)
         weights = self.tiling.weights
-        values /= (weights[lo:hi, None, None] * weights[None, :, None] * weights[None, None, :]).astype(np.float32)
+        for plane, x in enumerate(range(lo, hi)):  # a plane's float64 weights at a time, not the block's
+            values[:, plane] /= (weights[x] * weights[:, None] * weights[None, :]).astype(np.float32)
         return values
 
     def close(self) -> None:
