@@ -256,7 +256,7 @@ def build_data(cfg: Config, dist: DistEnv, device: Device) -> RunData:
         )
     for key in unused_data_keys(cfg, storage, backend, device_type=device.type):
         log.warning("%s has no effect with storage '%s' (backend %s)", key, storage, backend)
-    if storage is LAZY and train.files.reader != "bricks":
+    if storage is LAZY and train.files.reader != "bricks" and dist.is_main:  # once, not once per rank
         _say_the_layout_is_slow(cfg, train.files)
     node = node_of(dist, device)
     if cfg.data_checks != "none":  # by each node's first rank: a box is read once per node
