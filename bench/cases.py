@@ -44,13 +44,6 @@ def _precisions() -> dict[str, Precision]:
 PRECISIONS = _precisions()
 
 
-def precision_of(ds_config: dict[str, Any]) -> str:
-    """The precision a DeepSpeed config trains in: a key of PRECISIONS."""
-    if ds_config.get("fp16", {}).get("enabled"):
-        return "fp16"
-    return "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
-
-
 def bf16_supported(device_type: str) -> bool:
     """Whether DeepSpeed trains in bf16 on this machine's ``device_type``."""
     import torch

@@ -29,6 +29,7 @@ from bench.cases import rounds as harness_rounds
 from bench.env import REPO, append_records, environment
 from bench.flops import model_flops, utilization
 from common.cli import output_file
+from common.tensors import precision_name
 from model import UNetSpec
 from trainer.build import (
     EngineSetup,
@@ -42,7 +43,6 @@ from trainer.build import (
 )
 from trainer.config import Config, build_config, config_parser, load_named, parse_config_options, to_dict
 from trainer.dist import Device, DistEnv, init_distributed
-from trainer.engine import precision_name
 from trainer.errors import USER_ERRORS
 from trainer.provenance import rank_hosts
 from trainer.rundir import configure_logging

@@ -8,10 +8,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bench.cases import PRECISIONS, bf16_supported, precision_of
+from bench.cases import PRECISIONS, bf16_supported
 from pipeline.loaders import dali_installed, resolve_backend
 from pipeline.storage import DEVICE, HOST, STORAGES
 from trainer.config import Config, channels_last_on
+from trainer.engine import precision_of
 
 if TYPE_CHECKING:
     from bench.tune import Tuner

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from common.tensors import DTYPES
 from model.unet import UNetSpec
 
 # Per parameter: its weight, its gradient and Adam's two moments in float32 (16 bytes); under fp16 or bf16, the half
@@ -17,7 +18,7 @@ BACKWARD_FACTOR = 2.0  # the activations kept, and the gradients of as many that
 
 def saved_activation_bytes(spec: UNetSpec, *, crop: int, precision: str) -> int:
     """Bytes of the tensors one sample's forward pass keeps for its backward pass (weights not counted)."""
-    dtype = torch.float32 if precision == "fp32" else torch.float16
+    dtype = DTYPES[precision]
     with torch.device("meta"):
         model = spec.build().to(dtype)
     weights = {id(p) for p in model.parameters()}

@@ -32,19 +32,18 @@ from common.cli import ArgumentParser, existing_dir, existing_file, output_dir
 from common.files import written_atomically
 from common.hold import HeldError, hold_directory
 from common.launch import DistEnv, DistError, start_process_group
+from common.tensors import DTYPES, tensor_digest
 from model.emulator import Emulator, EmulatorError, from_run_dir, from_weights, latest_run
 from model.figures import phases, slices, spectra
 from model.metrics import Normalization, compare, spectra_table
 from model.tiling import Tiling, Timing, predict_blocks
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, NBODY_DATASET
 from pipeline.volumes import DataError, open_hdf5, open_npy, read_hdf5
-from trainer.provenance import tensor_digest
 
 log = logging.getLogger("predict")
 
 PREDICTION = "prediction.h5"
 SLABS = "prediction.slabs"
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CHUNK = 64  # chunks of 64^3 voxels of a channel
 
 
@@ -184,7 +183,7 @@ def predict_file(
                 "predicting %s (%d^3) with %s: %s; %d slab(s) of %d to do here",
                 *(input_path, tiling.box, emulator.source, what, len(todo), len(mine)),
             )
-        model = emulator.model.to(device=device, dtype=PRECISIONS[precision])
+        model = emulator.model.to(device=device, dtype=DTYPES[precision])
         timing, start = Timing(), time.perf_counter()
         h5 = {"channels": spec.out_channels} | ({"compression": compression} if compression else {})
         for run in _runs_of(todo):
@@ -365,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=output_dir, help="output directory (default: <run_dir>/prediction)")
     parser.add_argument("--overlap", type=int, help="voxels tiles overlap by (default: a quarter of the crop)")
     parser.add_argument("--batch", type=int, default=8, help="tiles per forward pass")
-    parser.add_argument("--precision", choices=list(PRECISIONS), default="fp32", help="of the model (fp16: GPUs)")
+    parser.add_argument("--precision", choices=list(DTYPES), default="fp32", help="of the model (fp16: GPUs)")
     parser.add_argument("--compression", choices=["none", "gzip", "lzf"], default="none", help="of the output's chunks")
     parser.add_argument("--slab_blocks", type=int, default=2, help="rows of tiles per slab file (the unit of resuming)")
     parser.add_argument("--dist_timeout_s", type=float, default=1800.0, help="how long a rank waits for the others")

@@ -18,6 +18,7 @@ import deepspeed
 import torch
 import torch.distributed as torch_dist
 
+from common.tensors import precision_name
 from model import Loss, UNet, UNetSpec
 from model.memory import training_bytes
 from model.metrics import Normalization
@@ -42,7 +43,7 @@ from trainer.dist import Device, DistEnv
 from trainer.engine import (
     load_ds_template,
     plan_batches,
-    precision_name,
+    precision_of,
     resolve_ds_config,
     skip_single_rank_reduction,
     train_dtype,
@@ -304,15 +305,8 @@ def _auto_storage(cfg: Config, dist: DistEnv, device: Device, *, volumes: list[V
     """``storage: auto``: what fits, by ``choose_storage``; every rank takes the most frugal choice any rank made
     (a node with less memory, a GPU with less free), so that they keep their volumes alike."""
     ds_config = engine_config(cfg, dist.world_size, device.type)
-    half = (
-        "fp16"
-        if ds_config.get("fp16", {}).get("enabled")
-        else "bf16"
-        if ds_config.get("bf16", {}).get("enabled")
-        else None
-    )
     training = training_bytes(
-        UNetSpec.from_config(to_dict(cfg)), crop=cfg.data_size, micro_batch=micro, precision=half or "fp32"
+        UNetSpec.from_config(to_dict(cfg)), crop=cfg.data_size, micro_batch=micro, precision=precision_of(ds_config)
     )
     on_gpu = device.type == "cuda"
     budget = dict(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from common.tensors import DTYPES
 from trainer.dist import is_main_process
 from trainer.errors import ConfigError
 from trainer.fused_adam import TORCH_FUSED_ADAM, fused_adam_problem
@@ -209,14 +210,13 @@ def skip_single_rank_reduction(engine: Any) -> bool:
     return False
 
 
+def precision_of(ds_config: dict[str, Any]) -> str:
+    """The precision a DeepSpeed config trains in: a key of common.tensors.DTYPES."""
+    if ds_config.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32"
+
+
 def train_dtype(engine: Any) -> torch.dtype:
     """The dtype the engine's model computes in, which is what the pipeline must deliver."""
-    if engine.fp16_enabled():
-        return torch.float16
-    if engine.bfloat16_enabled():
-        return torch.bfloat16
-    return torch.float32
-
-
-def precision_name(dtype: torch.dtype) -> str:
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    return DTYPES["fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"]

@@ -4,7 +4,6 @@ gathered from every rank at the end of a run, where each ran and whether their w
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import platform
 import socket
@@ -16,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
+
+from common.tensors import tensor_digest
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,6 @@ def software() -> dict[str, Any]:
         "dali": _version("nvidia-dali-cuda120") or _version("nvidia-dali-cuda130"),
         "python": platform.python_version(),
     }
-
-
-def tensor_digest(tensors: Any) -> str:
-    """sha256 of tensors' float32 values, in order: equal digests, equal values."""
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        digest.update(tensor.detach().float().cpu().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _gathered(mine: Any, world_size: int) -> list[Any]:

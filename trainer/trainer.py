@@ -20,18 +20,18 @@ import torch.distributed as torch_dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from common.tensors import precision_name, tensor_digest
 from pipeline.storage import device_bytes, size_text
 from trainer.build import build_data, build_engine, build_loss, run_facts
 from trainer.checkpoint import Cadence, Checkpointer, load_checkpoint
 from trainer.config import Config
 from trainer.dist import Device, DistEnv, device_name
-from trainer.engine import precision_name
 from trainer.errors import DistError, out_of_memory
 from trainer.loss_scaling import loss_scale
 from trainer.numerics import LearningWatch
 from trainer.preemption import StopRequest
 from trainer.profiling import StepProfiler
-from trainer.provenance import rank_facts, software, tensor_digest
+from trainer.provenance import rank_facts, software
 from trainer.rundir import PROFILE, RunDir
 from trainer.runlog import RunLog
 from trainer.step import StepGuard, micro_step, phase
