@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from pipeline.layout import LOG_DENSITY_SCALE
+from pipeline.layout import GAS_DENSITY, TEMPERATURE, density, temperature
 
 POWER_FLOOR = 1e-12  # a truth without fluctuations (a constant crop): its total power is taken as this
 
@@ -47,6 +47,14 @@ def divergence(v: torch.Tensor) -> torch.Tensor:
     ) / 2
 
 
+class MissingInput(ValueError):
+    """A term asked for without what it needs (``what``): ``needs`` names the setting that gives it."""
+
+    def __init__(self, what: str, *, needs: str) -> None:
+        super().__init__(f"{what} ({needs})")
+        self.what, self.needs = what, needs
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Loss:
     """Mean absolute error over all channels, plus the optional terms above. Computed in float32 whatever the
@@ -59,30 +67,35 @@ class Loss:
     lambda_v: float = 0.0
     lambda_div: float = 0.0
     temperature_log_range: float | None = None  # needed by lambda_T and lambda_hot
-    velocity: tuple[int, ...] = (
-        1,
-        2,
-        3,
-    )  # the target channels of the gas velocity's x, y and z, for lambda_v, lambda_div
+    velocity: tuple[int, ...] | None = (1, 2, 3)  # the gas velocity's x, y and z channels, for lambda_v, lambda_div
 
     def __post_init__(self) -> None:
+        """Each term's prerequisites, the only place they are checked (the trainer says which file lacks them)."""
         if (self.lambda_T or self.lambda_hot) and not self.temperature_log_range:
-            raise ValueError("lambda_T and lambda_hot need the temperature's normalization (temperature_log_range)")
+            asked = " and ".join(name for name in ("lambda_T", "lambda_hot") if getattr(self, name))
+            raise MissingInput(f"{asked} needs the temperature's normalization", needs="temperature_log_range")
+        if (self.lambda_v or self.lambda_div) and not self.velocity:
+            raise MissingInput("lambda_v and lambda_div need the gas velocity's channels", needs="target_vectors")
+
+    @classmethod
+    def weights(cls) -> tuple[str, ...]:
+        """The names of the terms' weights: every ``lambda_*`` field, each a config key of the same name."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name.startswith("lambda_"))
 
     def __call__(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         pred, target = pred.float(), target.float()
         loss = (pred - target).abs().mean()
         if self.lambda_rho:
-            rho_pred = torch.exp(LOG_DENSITY_SCALE * pred[:, 0])
-            rho_target = torch.exp(LOG_DENSITY_SCALE * target[:, 0])
+            rho_pred, rho_target = density(pred[:, GAS_DENSITY]), density(target[:, GAS_DENSITY])
             loss = loss + self.lambda_rho * (rho_pred - rho_target).abs().mean()
         if self.lambda_T or self.lambda_hot:
-            t_pred, t_true = (torch.pow(10.0, self.temperature_log_range * x[:, 4]) for x in (pred, target))
+            t_pred, t_true = (temperature(x[:, TEMPERATURE], self.temperature_log_range) for x in (pred, target))
             mean_t = t_true.mean()
             if self.lambda_T:
                 loss = loss + self.lambda_T * (t_pred - t_true).abs().mean() / mean_t
             if self.lambda_hot:
-                loss = loss + self.lambda_hot * (t_true / mean_t * (pred[:, 4] - target[:, 4]).abs()).mean()
+                error = (pred[:, TEMPERATURE] - target[:, TEMPERATURE]).abs()
+                loss = loss + self.lambda_hot * (t_true / mean_t * error).mean()
         if self.lambda_v or self.lambda_div:
             v_pred, v_true = (x[:, list(self.velocity)] for x in (pred, target))
             if self.lambda_v:

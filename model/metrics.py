@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import scipy.fft
 
-from pipeline.layout import HYDRO_CHANNELS, LOG_DENSITY_SCALE
+from pipeline.layout import GAS_DENSITY, HYDRO_CHANNELS, LOG_DENSITY_SCALE, TEMPERATURE, density, temperature
 
 
 @dataclass(frozen=True)
@@ -30,14 +30,6 @@ class Normalization:
         if spec is None:
             return cls(None)
         return cls(json.loads(spec).get("temperature_log_range"))
-
-    def density(self, x: np.ndarray) -> np.ndarray:
-        return np.exp(LOG_DENSITY_SCALE * x.astype(np.float64))
-
-    def temperature(self, x: np.ndarray) -> np.ndarray:
-        """T / T0 where the normalization is known, else the normalized values themselves."""
-        x = x.astype(np.float64)
-        return 10.0 ** (self.temperature_log_range * x) if self.temperature_log_range else x
 
 
 def _shells(n: int) -> tuple[np.ndarray, int]:
@@ -165,22 +157,23 @@ class _Boxes:
 
 
 def _density(norm: Normalization) -> Callable[[Callable[[Any], np.ndarray]], np.ndarray]:
-    return lambda read: np.exp(np.float32(LOG_DENSITY_SCALE) * read(0))
+    return lambda read: density(read(GAS_DENSITY))
 
 
 def _temperature(norm: Normalization) -> Callable[[Callable[[Any], np.ndarray]], np.ndarray]:
+    """T / T0 where the normalization is known, else the normalized values themselves."""
     if not norm.temperature_log_range:
-        return lambda read: read(4)
-    return lambda read: np.power(np.float32(10), np.float32(norm.temperature_log_range) * read(4))
+        return lambda read: read(TEMPERATURE)
+    return lambda read: temperature(read(TEMPERATURE), norm.temperature_log_range)
 
 
 def _log_density(read: Callable[[Any], np.ndarray]) -> np.ndarray:
-    return read(0) * np.float32(LOG_DENSITY_SCALE / np.log(10))  # log10 of exp(14 x)
+    return read(GAS_DENSITY) * np.float32(LOG_DENSITY_SCALE / np.log(10))  # log10 of exp(14 x)
 
 
 def _log_temperature(norm: Normalization) -> Callable[[Callable[[Any], np.ndarray]], np.ndarray]:
     scale = np.float32(norm.temperature_log_range or 1)  # normalized T is already logarithmic
-    return lambda read: read(4) * scale
+    return lambda read: read(TEMPERATURE) * scale
 
 
 def compare(pred: Any, true: Any, norm: Normalization, *, bins: int = 40) -> dict[str, Any]:

@@ -20,8 +20,10 @@ import torch.distributed as torch_dist
 
 from common.tensors import precision_name
 from model import Loss, UNet, UNetSpec
+from model.loss import MissingInput
 from model.memory import training_bytes
 from model.metrics import Normalization
+from pipeline.layout import TEMPERATURE
 from pipeline.loaders import LoaderSettings, batch_buffer_bytes, build_loader, dali_installed, resolve_backend
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.shared import Node
@@ -103,34 +105,21 @@ def normalization(cfg: Config, split: str) -> Normalization:
 
 
 def build_loss(cfg: Config) -> Loss:
-    """The loss the config asks for; a temperature term in physical units needs the training file's normalization
-    or the config's, never a guess."""
-    temperature_log_range = normalization(cfg, "train").temperature_log_range
-    if (cfg.lambda_T or cfg.lambda_hot) and temperature_log_range is None:
-        asked = " and ".join(name for name in ("lambda_T", "lambda_hot") if getattr(cfg, name))
-        raise ConfigError(
-            f"{asked} needs the temperature's normalization, which {volume_files(cfg, 'train').targets} does not "
-            "declare: set temperature_log_range (channel 4 holds log10(T / T0) / temperature_log_range)"
+    """The loss the config asks for: every ``lambda_*`` key of the same name as the loss's weight; a temperature term
+    in physical units needs the training file's normalization or the config's, never a guess."""
+    try:
+        return Loss(
+            **{name: getattr(cfg, name) for name in Loss.weights()},
+            temperature_log_range=normalization(cfg, "train").temperature_log_range,
+            velocity=tuple(cfg.target_vectors[0]) if cfg.target_vectors else None,  # the gas velocity's group
         )
-    return Loss(
-        lambda_rho=cfg.lambda_rho,
-        lambda_pk=cfg.lambda_pk,
-        lambda_T=cfg.lambda_T,
-        lambda_hot=cfg.lambda_hot,
-        lambda_v=cfg.lambda_v,
-        lambda_div=cfg.lambda_div,
-        temperature_log_range=temperature_log_range,
-        velocity=_velocity_channels(cfg),
-    )
-
-
-def _velocity_channels(cfg: Config) -> tuple[int, ...]:
-    """The target channels of the gas velocity (target_vectors' first group), which lambda_v and lambda_div need."""
-    if cfg.target_vectors:
-        return tuple(cfg.target_vectors[0])
-    if cfg.lambda_v or cfg.lambda_div:
-        raise ConfigError("lambda_v and lambda_div need the gas velocity's channels: set target_vectors")
-    return (1, 2, 3)
+    except MissingInput as err:
+        if err.needs != "temperature_log_range":
+            raise ConfigError(f"{err.what}: set {err.needs}") from None
+        raise ConfigError(
+            f"{err.what}, which {volume_files(cfg, 'train').targets} does not declare: set temperature_log_range (channel "
+            f"{TEMPERATURE} holds log10(T / T0) / temperature_log_range)"
+        ) from None
 
 
 def validation_share(num_samples: int, batch: int, last_batch: str, *, rank: int, world_size: int) -> tuple[int, int]:
