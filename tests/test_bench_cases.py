@@ -12,8 +12,8 @@ import time
 
 from bench.cases import PRECISIONS, TrainCase, launch, rounds
 from bench.pipeline import main as pipeline_main
-from bench.remedies import main as remedies_main
 from bench.report import main as report_main
+from studies.remedies import main as remedies_main
 from tests.conftest import REPO
 from trainer.config import RECIPE, TUNABLE, Config
 from trainer.engine import load_ds_template, precision_of

@@ -12,7 +12,7 @@ from tests.conftest import REPO
 
 SOURCES = sorted(
     path
-    for folder in ("bench", "common", "model", "pipeline", "trainer", "tools")
+    for folder in ("bench", "common", "model", "pipeline", "studies", "trainer", "tools")
     for path in (REPO / folder).rglob("*.py")
 ) + [REPO / "ds_train.py"]
 MAX_POSITIONAL = 3

@@ -2,7 +2,7 @@
 
 On a GPU these paths rotate crops with DALI operators or torch ops and cut them from volumes resident
 in GPU memory; on the CPU the same code runs on CPU data. CI runs the CPU variants; on a GPU machine
-``bench/gpu_check.sh`` runs this file again, CUDA included (DALI where it is installed).
+``tools/gpu_check.sh`` runs this file again, CUDA included (DALI where it is installed).
 """
 
 import statistics

@@ -14,10 +14,10 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from bench.preflight import listed, pinned
 from tests.conftest import REPO
+from tools.preflight import listed, pinned
 
-# What bench/offline_wheels.sh assumes the GPU machine has; DALI's image codecs are left out on purpose.
+# What tools/offline_wheels.sh assumes the GPU machine has; DALI's image codecs are left out on purpose.
 PROVIDED = {"torch", "numpy"}
 DALI_CODECS = {
     "nvidia-libnvcomp-cu12",
@@ -72,7 +72,7 @@ def test_the_offline_wheels_cover_what_the_project_deepspeed_and_the_tests_requi
 def test_offline_wheels_ships_the_list(tmp_path):
     """The script asks pip for exactly the listed packages, at their pins (pip itself is echoed here)."""
     result = subprocess.run(
-        ["bash", "bench/offline_wheels.sh", str(tmp_path / "wheels"), "3.12"],
+        ["bash", "tools/offline_wheels.sh", str(tmp_path / "wheels"), "3.12"],
         cwd=REPO,
         env={**os.environ, "PIP": "echo"},
         capture_output=True,
@@ -88,7 +88,7 @@ PREFLIGHT_WITHOUT = """
 import sys
 for module in sys.argv[1:]:
     sys.modules[module] = None  # importing it now fails, as on a machine without it
-from bench.preflight import main
+from tools.preflight import main
 sys.exit(main([]))
 """
 
@@ -105,7 +105,7 @@ def test_preflight_names_every_missing_module_at_once():
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "einops (pip: einops)" in lines[0] and "msgpack (pip: msgpack)" in lines[0]
     assert "yaml (pip: PyYAML)" in lines[0] and "deepspeed" not in lines[0]
-    clean = subprocess.run([sys.executable, "-m", "bench.preflight"], cwd=REPO, capture_output=True, text=True)
+    clean = subprocess.run([sys.executable, "-m", "tools.preflight"], cwd=REPO, capture_output=True, text=True)
     assert clean.returncode == 0, clean.stderr
 
 
@@ -121,7 +121,7 @@ def test_preflight_refuses_a_package_too_old_to_work_and_names_ones_older_than_t
     (grpc / "METADATA").write_text("Metadata-Version: 2.1\nName: grpcio\nVersion: 1.0.0\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     result = subprocess.run(
-        [sys.executable, "-m", "bench.preflight"], cwd=REPO, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "tools.preflight"], cwd=REPO, env=env, capture_output=True, text=True
     )
     assert result.returncode == (2 if refused else 0), result.stderr
     assert ("typing_extensions 4.5.0 is older than the 4.16 the project needs" in result.stderr) is refused
@@ -130,10 +130,10 @@ def test_preflight_refuses_a_package_too_old_to_work_and_names_ones_older_than_t
 
 def test_preflight_command_line_errors_are_one_line():
     result = subprocess.run(
-        [sys.executable, "-m", "bench.preflight", "--dail"], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "tools.preflight", "--dail"], cwd=REPO, capture_output=True, text=True
     )
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "python -m bench.preflight: error: unrecognized arguments: --dail"
+        "python -m tools.preflight: error: unrecognized arguments: --dail"
     ]
 
 
@@ -160,7 +160,7 @@ def test_dali_for_the_gpu_machines_cuda_repacked_for_its_python_split_and_instal
     env = {**os.environ, "PIP": f"{sys.executable} {fake_pip}", "WITH_DALI": "1", "REPACK": "1", "PART_MIB": "1"}
     wheels = tmp_path / "wheels"
     made = subprocess.run(
-        ["bash", "bench/offline_wheels.sh", str(wheels), "3.12", "13"],
+        ["bash", "tools/offline_wheels.sh", str(wheels), "3.12", "13"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -174,7 +174,7 @@ def test_dali_for_the_gpu_machines_cuda_repacked_for_its_python_split_and_instal
     assert len(parts) == 4 and all(p.startswith(archive + ".part") for p in parts), parts
 
     def install(site):
-        command = ["bash", "bench/install_dali_parts.sh", str(tmp_path / "wheels-dali"), str(site)]
+        command = ["bash", "tools/install_dali_parts.sh", str(tmp_path / "wheels-dali"), str(site)]
         return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
 
     done = install(tmp_path / "site")
@@ -191,7 +191,7 @@ def test_dali_for_the_gpu_machines_cuda_repacked_for_its_python_split_and_instal
 
 def test_offline_wheels_refuses_a_cuda_major_it_has_no_dali_for(tmp_path):
     result = subprocess.run(
-        ["bash", "bench/offline_wheels.sh", str(tmp_path / "w"), "3.12", "11"], cwd=REPO, capture_output=True, text=True
+        ["bash", "tools/offline_wheels.sh", str(tmp_path / "w"), "3.12", "11"], cwd=REPO, capture_output=True, text=True
     )
     assert result.returncode == 2
     assert (
@@ -206,9 +206,9 @@ def test_a_wheel_without_a_module_for_the_python_asked_is_not_repacked(tmp_path)
     wheel = tmp_path / "nvidia_dali_cuda130-2.4.0-py3-none-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("nvidia/dali/backend_impl.cpython-311-x86_64-linux-gnu.so", b"")
-    command = [sys.executable, "-m", "bench.repack_wheel", str(wheel), "3.12", str(tmp_path / "out.tar.xz")]
+    command = [sys.executable, "-m", "tools.repack_wheel", str(wheel), "3.12", str(tmp_path / "out.tar.xz")]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 2 and not (tmp_path / "out.tar.xz").exists()
     assert result.stderr.strip() == (
-        f"python -m bench.repack_wheel: cannot repack {wheel}: {wheel.name} has no compiled module for Python 3.12"
+        f"python -m tools.repack_wheel: cannot repack {wheel}: {wheel.name} has no compiled module for Python 3.12"
     )

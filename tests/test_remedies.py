@@ -1,8 +1,8 @@
-"""bench.remedies: arms become ds_train options, records become one table row per arm with its seeds side by side."""
+"""studies.remedies: arms become ds_train options, records become one table row per arm with its seeds side by side."""
 
 import pytest
 
-from bench.remedies import arm_options, range_table, table
+from studies.remedies import arm_options, range_table, table
 
 
 def test_arms_become_options_and_a_malformed_one_is_named():

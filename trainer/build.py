@@ -117,8 +117,8 @@ def build_loss(cfg: Config) -> Loss:
         if err.needs != "temperature_log_range":
             raise ConfigError(f"{err.what}: set {err.needs}") from None
         raise ConfigError(
-            f"{err.what}, which {volume_files(cfg, 'train').targets} does not declare: set temperature_log_range (channel "
-            f"{TEMPERATURE} holds log10(T / T0) / temperature_log_range)"
+            f"{err.what}, which {volume_files(cfg, 'train').targets} does not declare: set temperature_log_range "
+            f"(channel {TEMPERATURE} holds log10(T / T0) / temperature_log_range)"
         ) from None
 
 

@@ -6,7 +6,7 @@
 # memory it allocates, which it prints; the fast paths' GPU tests).
 # Where DALI is not installed it checks the torch backend and says that DALI was skipped.
 #
-#   bash bench/gpu_check.sh [RESULTS.jsonl]   # PYTHON=... picks the interpreter; needs torch (CUDA), h5py, pytest
+#   bash tools/gpu_check.sh [RESULTS.jsonl]   # PYTHON=... picks the interpreter; needs torch (CUDA), h5py, pytest
 #                                             # PIPELINE_DATA=... an HDF5 box to read (else a 256^3 one is written)
 #                                             # TESTS=0 measures the throughput only
 set -uo pipefail

@@ -1,8 +1,8 @@
 """Loss remedies compared side by side: each arm trained with each seed, then its validation box predicted.
 
-    python -m bench.remedies                                   # the debug config, the arms below, seeds 0 and 1
-    python -m bench.remedies --config science --seeds 0 --arms baseline lambda_T=0.1
-    python -m bench.remedies --table                           # the table of the newest records, nothing run
+    python -m studies.remedies                                   # the debug config, the arms below, seeds 0 and 1
+    python -m studies.remedies --config science --seeds 0 --arms baseline lambda_T=0.1
+    python -m studies.remedies --table                           # the table of the newest records, nothing run
 
 An arm is ``name`` (the config as it is) or ``key=value[,key=value]`` (options of ds_train.py, without the
 dashes). A run whose directory already holds a finished summary and metrics is not run again. Each (arm, seed) is
@@ -146,7 +146,7 @@ def range_table(records: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(prog="python -m bench.remedies", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m studies.remedies", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="debug")
     parser.add_argument("--arms", nargs="+", default=ARMS, help="'baseline' or key=value[,key=value] each")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])

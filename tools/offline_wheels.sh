@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine that has PyTorch (CUDA) and NumPy but no internet (many compute nodes): DeepSpeed, built
 # here since PyPI has only its source (its CUDA ops, FusedAdam among them, are JIT-built there on first use), and
-# every other package the project, DeepSpeed and the tests need (bench/offline_packages.txt), at the versions
+# every other package the project, DeepSpeed and the tests need (tools/offline_packages.txt), at the versions
 # constraints.txt pins. NVIDIA DALI only with WITH_DALI=1 (without it, train with --backend torch), built for the GPU
 # machine's CUDA major (torch.version.cuda there: 12 takes nvidia-dali-cuda120, 405 MB; 13 nvidia-dali-cuda130,
 # 199 MB; the same DALI release as requirements.txt pins): its small dependencies go to DIR, the wheel to DIR-dali
 # with a SHA256 file naming it. REPACK=1 keeps only the PYTHON_VERSION's compiled modules, as a tar.xz of the wheel's
 # contents (132 MB for cuda130 and Python 3.12); PART_MIB=N splits what goes to DIR-dali into parts of N MiB, for
-# copying through tools that limit a file's size. bench/install_dali_parts.sh (run by bench/gpu_session.sh) joins,
+# copying through tools that limit a file's size. tools/install_dali_parts.sh (run by tools/gpu_session.sh) joins,
 # checks and installs them.
 #
-#   bash bench/offline_wheels.sh DIR [PYTHON_VERSION] [CUDA_MAJOR]   # the GPU machine's, e.g. 3.12 and 13
+#   bash tools/offline_wheels.sh DIR [PYTHON_VERSION] [CUDA_MAJOR]   # the GPU machine's, e.g. 3.12 and 13
 #   # there:
 #   python3 -m pip install --no-index --no-deps --target SITE DIR/*.whl && export PYTHONPATH=SITE:$PWD
 set -euo pipefail
-dir=$(realpath -m "${1:?usage: bench/offline_wheels.sh DIR [PYTHON_VERSION] [CUDA_MAJOR]}")  # as the caller gave it
+dir=$(realpath -m "${1:?usage: tools/offline_wheels.sh DIR [PYTHON_VERSION] [CUDA_MAJOR]}")  # as the caller gave it
 cd "$(dirname "$0")/.."
 pyver="${2:-$(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')}"
 cuda="${3:-12}"
@@ -40,7 +40,7 @@ while read -r name _; do  # "distribution module" lines; the [dali] section only
     deepspeed) ;;  # built above
     *) if [ "$section" = base ] || [ "${WITH_DALI:-0}" = 1 ]; then packages+=("$(pin "$name")"); fi ;;
   esac
-done < bench/offline_packages.txt
+done < tools/offline_packages.txt
 platforms=()
 for p in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
   platforms+=(--platform "${p}_$(uname -m)")
@@ -59,7 +59,7 @@ if [ "${WITH_DALI:-0}" = 1 ]; then
   name=$(cd "$parts/whole" && ls -1 ./*.whl | head -1) && name=${name#./}
   if [ "${REPACK:-0}" = 1 ]; then
     repacked="${name%.whl}.cp${pyver/./}.tar.xz"
-    python3 -m bench.repack_wheel "$parts/whole/$name" "$pyver" "$parts/whole/$repacked"
+    python3 -m tools.repack_wheel "$parts/whole/$name" "$pyver" "$parts/whole/$repacked"
     name=$repacked
   fi
   (cd "$parts/whole" && sha256sum "$name") > "$parts/SHA256"
@@ -70,6 +70,6 @@ if [ "${WITH_DALI:-0}" = 1 ]; then
   fi
   rm -r "$parts/whole"
   echo "DALI in $(compgen -G "$parts/*.part*" | wc -l) part(s) with $parts/SHA256: copy them with $dir to the GPU machine;"
-  echo "bash bench/install_dali_parts.sh $parts SITE joins, checks and installs them there (bench/gpu_session.sh does):"
+  echo "bash tools/install_dali_parts.sh $parts SITE joins, checks and installs them there (tools/gpu_session.sh does):"
   ls -1 "$parts"
 fi

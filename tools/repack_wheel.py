@@ -5,7 +5,7 @@ and its siblings for 3.10 to 3.15): a machine needs one of them. Extracting the 
 --target`` would put the wheel gives the same importable package (for wheels without a ``.data`` directory, which
 pip would move elsewhere: such wheels are refused).
 
-    python -m bench.repack_wheel WHEEL 3.12 OUT.tar.xz
+    python -m tools.repack_wheel WHEEL 3.12 OUT.tar.xz
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def repack(wheel: Path, python_version: str, out: Path) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.repack_wheel", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.repack_wheel", description=__doc__.split("\n\n")[0])
     parser.add_argument("wheel", type=Path)
     parser.add_argument("python_version", help="the target machine's, e.g. 3.12")
     parser.add_argument("out", type=Path, help="the .tar.xz to write")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kept_count, left_out = repack(args.wheel, args.python_version, args.out)
     except (OSError, zipfile.BadZipFile, ValueError) as err:
-        print(f"python -m bench.repack_wheel: cannot repack {args.wheel}: {err}", file=sys.stderr)
+        print(f"python -m tools.repack_wheel: cannot repack {args.wheel}: {err}", file=sys.stderr)
         return 2
     print(f"{args.out}: {kept_count} files for Python {args.python_version}, {left_out} for other versions left out")
     return 0

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# NVIDIA DALI into SITE from the parts that bench/offline_wheels.sh wrote: its wheel, or with REPACK=1 the wheel's
+# NVIDIA DALI into SITE from the parts that tools/offline_wheels.sh wrote: its wheel, or with REPACK=1 the wheel's
 # contents for one Python version as a tar.xz, split into parts and named with their checksum in PARTS/SHA256.
 # The parts are joined, checked and installed; where some are missing or the checksum differs, one line says so
 # and the status is 1 (nothing is installed).
 #
-#   bash bench/install_dali_parts.sh PARTS SITE      # PYTHON=... the interpreter whose pip installs a wheel
+#   bash tools/install_dali_parts.sh PARTS SITE      # PYTHON=... the interpreter whose pip installs a wheel
 set -uo pipefail
-parts="${1:?usage: bench/install_dali_parts.sh PARTS SITE}"
-site="${2:?usage: bench/install_dali_parts.sh PARTS SITE}"
+parts="${1:?usage: tools/install_dali_parts.sh PARTS SITE}"
+site="${2:?usage: tools/install_dali_parts.sh PARTS SITE}"
 py="${PYTHON:-python3}"
 if [ ! -f "$parts/SHA256" ]; then
   echo "no DALI parts in $parts (no SHA256 file): DALI skipped"

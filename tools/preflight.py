@@ -1,9 +1,9 @@
 """Check, in seconds and before anything runs, that this Python has every module the project needs.
 
-    python -m bench.preflight            # exit 2, naming every missing module (or one too old to work)
-    python -m bench.preflight --dali     # NVIDIA DALI and its requirements too
+    python -m tools.preflight            # exit 2, naming every missing module (or one too old to work)
+    python -m tools.preflight --dali     # NVIDIA DALI and its requirements too
 
-The modules are those bench/offline_wheels.sh ships (bench/offline_packages.txt), plus torch with CUDA where
+The modules are those tools/offline_wheels.sh ships (tools/offline_packages.txt), plus torch with CUDA where
 ``--gpu``. Without this, a missing module surfaces late and in disguise (a missing einops reads as "FusedAdam
 did not build"). A package older than this project's pin is named on a second line but passes, except where an
 older one is known not to work (``MINIMUMS``). Standard library only: it must run where those packages are missing.
@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = REPO / "bench" / "offline_packages.txt"
+PACKAGES = REPO / "tools" / "offline_packages.txt"
 # Older than these, the package is known to break the project: pydantic 2.14 (DeepSpeed's config) needs
 # typing-extensions 4.16, DeepSpeed 0.19 needs pydantic 2.
 MINIMUMS = {"typing_extensions": "4.16", "pydantic": "2.0"}
 
 
 def listed(*, dali: bool) -> list[tuple[str, str]]:
-    """(distribution, module) pairs of bench/offline_packages.txt; the [dali] section with ``dali``."""
+    """(distribution, module) pairs of tools/offline_packages.txt; the [dali] section with ``dali``."""
     pairs, section = [], "base"
     for raw in PACKAGES.read_text().splitlines():
         line = raw.split("#", 1)[0].strip()
@@ -95,7 +95,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _OneLineErrors(prog="python -m bench.preflight", description=__doc__.split("\n\n")[0])
+    parser = _OneLineErrors(prog="python -m tools.preflight", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dali", action="store_true", help="check NVIDIA DALI and its requirements too")
     parser.add_argument("--gpu", action="store_true", help="check that torch sees a CUDA device")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@
 #      must end in one line and status 2;
 #   2. speed, at most SPEED_S (300): the headline case, the pipeline's device storage alone, one profiled run, the
 #      single levers (bench.sweep --preset gpu-speed);
-#   3. the rest: the pipeline's throughput (bench/gpu_check.sh, its tests ran in part 1) for at most CHECK_S (150), then
+#   3. the rest: the pipeline's throughput (tools/gpu_check.sh, its tests ran in part 1) for at most CHECK_S (150), then
 #      bench.tune on bs64_opt's micro-batch and precision for TUNE_S (90; 0 skips it).
 # Results go to OUT as they are measured. After each part, OUT is packed into PACK_TO/session.tar.gz beside
 # PACK_TO/summary.txt (one PASS, FAIL or SKIP line per check; PACK_TO is OUT unless set), so that an allocation
@@ -14,11 +14,11 @@
 # `python -m bench.report --results OUT/train.jsonl`. A copy of the project without its repository names its commit
 # in the records where `python -m trainer.provenance` wrote COMMIT before copying.
 #
-#   bash bench/gpu_session.sh OUT [WHEELS]   # WHEELS: from bench/offline_wheels.sh, where DeepSpeed is missing;
+#   bash tools/gpu_session.sh OUT [WHEELS]   # WHEELS: from tools/offline_wheels.sh, where DeepSpeed is missing;
 #                                            # DALI from the parts in WHEELS-dali (or DALI_PARTS) where they are
 set -uo pipefail
 # Paths as the caller gave them, before the script moves to the repository root.
-out=$(realpath -m "${1:?usage: bench/gpu_session.sh OUT [WHEELS]}")
+out=$(realpath -m "${1:?usage: tools/gpu_session.sh OUT [WHEELS]}")
 wheels=$([ -n "${2:-}" ] && realpath -m "$2")
 parts=$(realpath -m "${DALI_PARTS:-${wheels:-wheels}-dali}")
 pack_to=$(realpath -m "${PACK_TO:-$out}")
@@ -53,18 +53,18 @@ site=/tmp/cosmo-emulator-gpu-site
 rm -rf "$site"  # pip --target does not replace what an earlier session installed there
 if [ -n "$wheels" ]; then
   if ! "$py" -m pip install --quiet --no-index --no-deps --target "$site" "$wheels"/*.whl; then
-    echo "the wheels in $wheels do not install here: build them for $("$py" -V) with bench/offline_wheels.sh DIR X.Y" >&2
+    echo "the wheels in $wheels do not install here: build them for $("$py" -V) with tools/offline_wheels.sh DIR X.Y" >&2
     exit 2
   fi
 fi
-[ -d "$parts" ] && PYTHON="$py" bash bench/install_dali_parts.sh "$parts" "$site"
+[ -d "$parts" ] && PYTHON="$py" bash tools/install_dali_parts.sh "$parts" "$site"
 # The wheels' programs (ninja, which DeepSpeed's JIT build of FusedAdam runs) are in $site/bin.
 [ -d "$site" ] && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # Every module the session needs, named at once, before anything is built or measured.
-"$py" -m bench.preflight --gpu || exit 2
+"$py" -m tools.preflight --gpu || exit 2
 dali_cases=(dali-device)
-if ! "$py" -m bench.preflight --dali > /dev/null 2>&1; then
+if ! "$py" -m tools.preflight --dali > /dev/null 2>&1; then
   echo "DALI or one of its requirements is missing: torch backend only"
   dali_cases=(--no_dali)
 fi
@@ -226,7 +226,7 @@ fi
 check_s=${CHECK_S:-150}
 if [ "$check_s" -gt 0 ]; then
   TESTS=0 PIPELINE_DATA=data/bench/gpu_train.h5 PYTHON="$py" timeout --kill-after 10 "$check_s" \
-    bash bench/gpu_check.sh "$out/pipeline.jsonl" > "$out/check.log" 2>&1
+    bash tools/gpu_check.sh "$out/pipeline.jsonl" > "$out/check.log" 2>&1
   status=$?
   note "$([ $status = 0 ] && echo PASS || echo FAIL)" gpu_check "status $status (check.log)"
   pack
