@@ -18,8 +18,8 @@ import sys
 import torch.distributed as torch_dist
 
 from common.cli import output_dir
-from trainer.build import prepare_data
 from trainer.config import build_config, config_parser, load_named, parse_config_options, resumed_config
+from trainer.data import prepare_data
 from trainer.dist import DistEnv, init_distributed
 from trainer.errors import USER_ERRORS, NumericalError
 from trainer.preemption import PREEMPTED_EXIT, StopRequest

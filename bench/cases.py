@@ -56,6 +56,37 @@ def bf16_supported(device_type: str) -> bool:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Sweep:
+    """What a sweep's records are for, which ``bench.report`` draws and ``bench.sweep`` schedules by: throughput against
+    ranks (``scaling``), the step's phases and the engine against the plain loop (``phases``), throughput against
+    the micro-batch (``micro_batch``); cases run interleaved and repeated, for comparisons at the noise's level
+    (``repeated``)."""
+
+    scaling: bool = False
+    phases: bool = False
+    micro_batch: bool = False
+    repeated: bool = False
+
+
+SWEEPS: dict[str, Sweep] = {
+    "baseline": Sweep(phases=True),
+    "precision": Sweep(phases=True),
+    "headline": Sweep(phases=True),
+    "speed": Sweep(phases=True),
+    "micro-batch": Sweep(micro_batch=True),
+    "weak": Sweep(scaling=True, repeated=True),
+    "strong": Sweep(scaling=True, repeated=True),
+    **{f"weak-zero{stage}": Sweep(scaling=True, repeated=True) for stage in (0, 1, 2)},
+    "zero2-settings": Sweep(repeated=True),
+}
+
+
+def sweep_of(name: str) -> Sweep:
+    """The sweep of that name (a case run on its own, ``adhoc``, is none of the kinds)."""
+    return SWEEPS.get(name, Sweep())
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainCase:
     """One run of ``python -m bench.train``: its sweep, its label there, its ranks, modes and own options."""
 

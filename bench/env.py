@@ -81,3 +81,15 @@ def environment() -> dict[str, Any]:
         "commit": git_commit(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+DOC = REPO / "docs" / "benchmarks.md"  # the page whose tables bench.pipeline and bench.report regenerate
+
+
+def update_doc(doc: Path, text: str, name: str = "pipeline") -> None:
+    """Replace what stands between the ``bench:<name>`` markers in the markdown page ``doc`` with ``text``."""
+    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    content = doc.read_text()
+    head, rest = content.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{start}\n{text}\n{end}{tail}")

@@ -18,6 +18,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from bench.env import REPO, append_records, environment, update_doc
 from pipeline.convert import convert
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
 from pipeline.volumes import VolumeFiles, VolumePair
@@ -119,8 +120,6 @@ def table(records: list[dict[str, Any]]) -> str:
 def main(args: Any, *, crop: int, out: Path) -> None:
     """bench.pipeline --layouts: every layout of ``args.data``, warm and cold; records appended to ``out``, the
     table printed (and put in docs/data.md when ``out`` is the project's results file)."""
-    from bench.env import REPO, append_records, environment
-    from bench.pipeline import update_doc
     from pipeline.synthetic import SyntheticSpec, write_box
 
     if not args.data.exists():

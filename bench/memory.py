@@ -24,6 +24,7 @@ from bench.env import REPO, append_records, environment
 from common.cli import ArgumentParser, output_file
 from pipeline.convert import convert
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
+from pipeline.storage import HOST, STORAGES
 
 RESULTS = REPO / "bench" / "results" / "memory.jsonl"
 DATA = REPO / "data" / "bench"
@@ -111,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--box", type=int, default=512, help="side of the training box")
     parser.add_argument("--small", type=int, default=128, help="side of the box whose run is the baseline")
     parser.add_argument("--ranks", type=int, default=4, help="ranks on this node (the deepspeed launcher)")
-    parser.add_argument("--storage", choices=["host", "lazy"], default="host")
+    parser.add_argument(
+        "--storage", choices=[n for n, mode in STORAGES.items() if not mode.on_device], default=HOST.name
+    )
     parser.add_argument("--data_format", choices=["hdf5", "npy"], default="hdf5")
     parser.add_argument("--npy_layout", choices=["bricks", "CDHW"], default="bricks", help="with --data_format npy")
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")

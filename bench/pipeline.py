@@ -21,21 +21,21 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bench.cases import rate_summary, rounds
-from bench.env import REPO, append_records, environment, read_records
+from bench.env import DOC, REPO, append_records, environment, read_records, update_doc
 from bench.layouts import drop_cached
 from common.cli import ArgumentParser, existing_file, output_file
+from pipeline.backends import BACKENDS, TORCH
 from pipeline.convert import convert
 from pipeline.layout import HYDRO_DATASET, NBODY_DATASET
 from pipeline.loaders import LoaderSettings, build_loader
 from pipeline.rotations import ROTATIONS, channel_order, channel_signs
 from pipeline.sampling import Augmenter, DrawPlan
-from pipeline.storage import STORAGES
+from pipeline.storage import LAZY, STORAGES
 from pipeline.synthetic import SyntheticSpec, write_box
 from pipeline.volumes import VolumeFiles, VolumePair, read_hdf5
 
 RESULTS = REPO / "bench" / "results" / "pipeline.jsonl"
 LAYOUTS = REPO / "bench" / "results" / "layouts.jsonl"
-DOC = REPO / "docs" / "benchmarks.md"  # the page whose tables bench.pipeline and bench.report regenerate
 AUG = Augmenter(in_channels=4, out_channels=5, in_vectors=[[1, 2, 3]], out_vectors=[[1, 2, 3]])
 
 
@@ -132,8 +132,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not path.exists():
         print(f"writing a {args.box}^3 synthetic box to {path} ...", flush=True)
         write_box(path, SyntheticSpec(train_box_size=args.box), args.box, seed=0)
-    backends = ["torch"] if args.no_dali else ["dali", "torch"]
-    storages = ["lazy", "lazy-npy", "host"] + (["device"] if device.type == "cuda" else [])
+    backends = [TORCH] if args.no_dali else list(BACKENDS)
+    storages = [name for name, mode in STORAGES.items() if device.type == "cuda" or not mode.on_device]
+    storages.insert(storages.index(LAZY.name) + 1, f"{LAZY.name}-npy")  # lazy reads of .npy files too
     npy = path.with_suffix("")  # the same box as .npy files, for DALI's numpy reader and lazy memory maps
     if not Path(f"{npy}_data.npy").exists() and (not args.cases or any(c.endswith("-npy") for c in args.cases)):
         convert(path, npy, "CDHW")
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "bench": "pipeline",
                     "case": case,
                     "backend": backend,
-                    "storage": storage or "lazy",
+                    "storage": storage or LAZY.name,  # the baseline and the limit read the file
                     "crop": crop,
                     "batch": args.batch,
                     "threads": args.threads,
@@ -251,15 +252,6 @@ def table(records: list[dict[str, Any]]) -> str:
                 )
         lines.append("")
     return "\n".join(lines)
-
-
-def update_doc(doc: Path, text: str, name: str = "pipeline") -> None:
-    """Replace what stands between the ``bench:<name>`` markers in the markdown page ``doc`` with ``text``."""
-    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
-    content = doc.read_text()
-    head, rest = content.split(start, 1)
-    _, tail = rest.split(end, 1)
-    doc.write_text(f"{head}{start}\n{text}\n{end}{tail}")
 
 
 def main(argv: list[str] | None = None) -> None:

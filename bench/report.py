@@ -13,8 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.env import REPO, read_records
-from bench.pipeline import DOC, update_doc
+from bench.cases import sweep_of
+from bench.env import DOC, REPO, read_records, update_doc
 from bench.train import RESULTS
 from common.cli import ArgumentParser, existing_file, output_dir
 
@@ -47,7 +47,7 @@ def engine_overhead(rows: list[dict[str, Any]]) -> list[tuple[str, float]]:
     """Per precision, the DeepSpeed engine's step time over the plain loop's, on the same batch (p50s)."""
     ratios = []
     for r in rows:
-        if r["mode"] == "synthetic" and r["sweep"] in ("baseline", "precision", "headline"):
+        if r["mode"] == "synthetic" and sweep_of(r["sweep"]).phases:
             plain = next(
                 (p for p in rows if p["mode"] == "plain" and p["case"] == r["case"] and p["sweep"] == r["sweep"]), None
             )
@@ -74,10 +74,9 @@ def table(device: str, rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"- DeepSpeed engine step / plain PyTorch step ({precision}, same model and batch): **{ratio:.3f}**"
         )
-    scaling_sweeps = sorted({r["sweep"] for r in rows if r["sweep"].startswith(("weak", "strong"))})
-    for sweep, mode, who in [(s, "synthetic", "DeepSpeed") for s in scaling_sweeps] + [
-        ("weak", "plain", "plain PyTorch DDP")
-    ]:
+    scaling_sweeps = sorted({r["sweep"] for r in rows if sweep_of(r["sweep"]).scaling})
+    engines = (("synthetic", "DeepSpeed"), ("plain", "plain PyTorch DDP"))
+    for sweep, mode, who in [(s, mode, who) for s in scaling_sweeps for mode, who in engines]:
         points = scaling(rows, sweep, mode)
         if len(points) > 1:
             lines.append(
@@ -116,7 +115,9 @@ def plots(device: str, rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for sweep, marker in (("weak", "o"), ("strong", "s")):
+    for sweep, marker in zip(
+        sorted({r["sweep"] for r in rows if sweep_of(r["sweep"]).scaling}), "osD^v<>p*", strict=False
+    ):
         points = scaling(rows, sweep)
         if points:
             ranks = [n for n, _, _ in points]
@@ -132,11 +133,7 @@ def plots(device: str, rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     written.append(_save(fig, device, out_dir / f"scaling_{slug}.png"))
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    phased = [
-        r
-        for r in rows
-        if r.get("forward_ms_p50") is not None and r["sweep"] in ("baseline", "precision", "headline", "speed")
-    ]
+    phased = [r for r in rows if r.get("forward_ms_p50") is not None and sweep_of(r["sweep"]).phases]
     labels = [f"{r['case']}\n{r['mode']}" for r in phased]
     bottom = [0.0] * len(phased)
     for phase in ("forward", "backward", "optimizer"):
@@ -145,7 +142,7 @@ def plots(device: str, rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     left.set(ylabel="ms per optimizer step (p50)", title="Step time breakdown")
     left.legend()
-    micro = sorted((r["micro_batch"], r["samples_per_s"]) for r in rows if r["sweep"] == "micro-batch")
+    micro = sorted((r["micro_batch"], r["samples_per_s"]) for r in rows if sweep_of(r["sweep"]).micro_batch)
     if micro:
         right.plot([m for m, _ in micro], [s for _, s in micro], marker="o")
         right.set_xscale("log", base=2)

@@ -22,15 +22,14 @@ from dataclasses import replace
 
 import torch
 
-from bench.cases import PRECISIONS, TrainCase, bf16_supported, launch, rounds
+from bench.cases import PRECISIONS, TrainCase, bf16_supported, launch, rounds, sweep_of
 from bench.train import RESULTS, parse_args
 from common.cli import ArgumentParser, output_file
 from pipeline.loaders import dali_installed, resolve_backend
-from pipeline.storage import HOST, STORAGES
+from pipeline.storage import planned
 from pipeline.synthetic import ensure_boxes
-from trainer.build import engine_config
 from trainer.config import Config
-from trainer.engine import plan_batches
+from trainer.engine import engine_config, plan_batches
 from trainer.errors import ConfigError
 from trainer.fused_adam import TORCH_FUSED_ADAM
 
@@ -306,7 +305,7 @@ def check_cases(base: list[str], cases: list[TrainCase], args: argparse.Namespac
             DeepSpeedConfig({**ds_config, "train_batch_size": plan.micro_batch * plan.accumulation})
         except (ValueError, TypeError, AssertionError) as err:
             sys.exit(f"case {case.label!r}: DeepSpeed rejects its config: {' '.join(str(err).split())}")
-        mode = STORAGES.get(cfg.storage, HOST)  # auto may keep host storage, which DALI reads on a GPU
+        mode = planned(cfg.storage)  # auto may keep host storage, which DALI reads on a GPU
         if resolve_backend(cfg.backend, device_type, mode) == "dali" and not dali_installed():
             sys.exit(f"case {case.label!r}: backend dali, but NVIDIA DALI is not installed here: add --backend torch")
         checked.append((options, cfg, ds_config))
@@ -349,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"the {args.preset} preset needs a GPU")
     if not torch.cuda.is_available() and not bf16_supported("cpu"):
         cases = [c for c in cases if c.label != "bf16"]
-    compared = tuple(sorted({c.sweep for c in cases if c.sweep.startswith(("weak", "strong", "zero2-settings"))}))
+    compared = tuple(sorted({c.sweep for c in cases if sweep_of(c.sweep).repeated}))
     cases = interleave_repeats(cases, compared, args.scaling_repeats)
     cases = [c for c in cases if not args.only or c.sweep in args.only]
     checked = check_cases(base, cases, args, device_type="cuda" if torch.cuda.is_available() else "cpu")

@@ -12,6 +12,7 @@ ratio. Rank 0 appends one record per mode to ``--out``; docs/benchmarks.md says 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import resource
 import statistics
@@ -31,22 +32,14 @@ from bench.flops import model_flops, utilization
 from common.cli import output_file
 from common.tensors import precision_name
 from model import UNetSpec
-from trainer.build import (
-    EngineSetup,
-    RunData,
-    build_data,
-    build_engine,
-    build_loss,
-    build_model,
-    prepare_data,
-    run_facts,
-)
+from trainer.build import EngineSetup, build_engine, build_loss, build_model, run_facts
 from trainer.config import Config, build_config, config_parser, load_named, parse_config_options, to_dict
+from trainer.data import RunData, build_data, prepare_data
 from trainer.dist import Device, DistEnv, init_distributed
 from trainer.errors import USER_ERRORS
 from trainer.provenance import rank_hosts
 from trainer.rundir import configure_logging
-from trainer.step import StepGuard, clocked, micro_step, phase
+from trainer.step import StepGuard, clocked, phase, train_step
 
 RESULTS = REPO / "bench" / "results" / "train.jsonl"
 MODES = ("io", "synthetic", "full", "plain")
@@ -132,7 +125,7 @@ class TrainBench:
         self.engine = engine = setup.engine
         self.accumulation = engine.gradient_accumulation_steps()
         self.micro = engine.train_micro_batch_size_per_gpu()
-        self.guard = StepGuard(cfg, engine.device, stop=None)  # the trainer's agreement on each step, if it makes one
+        self.guard = StepGuard(cfg.faults, engine.device, stop=None)  # the trainer's agreement on each step, if any
         self.loss_fn = build_loss(cfg)
         # the training loader only: the benchmark validates nothing
         self.train_loader = data.train_loader(
@@ -149,35 +142,31 @@ class TrainBench:
             .tanh()
             .contiguous(memory_format=layout),
         )
-        self._batches: Iterator | None = None
+        self.batches = self._epochs()
 
-    def _next_batch(self) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
-        """A batch from the training loader (a new epoch when one ends) and the seconds spent waiting."""
-        start = time.perf_counter()
-        with phase("data_wait"):
-            while True:
-                if self._batches is None:
-                    self._batches = iter(self.train_loader)
-                try:
-                    return next(self._batches), time.perf_counter() - start
-                except StopIteration:
-                    self._batches = None
+    def _epochs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The training loader's batches, epoch after epoch."""
+        while True:
+            yield from self.train_loader
 
     def io_step(self) -> float:
-        return sum(self._next_batch()[1] for _ in range(self.accumulation))
+        start = time.perf_counter()
+        with phase("data_wait"):
+            for _ in range(self.accumulation):
+                next(self.batches)
+        return time.perf_counter() - start
 
     def engine_step(self, *, synthetic: bool) -> float:
-        """The training loop's micro-steps and checks (one reduction and host sync where the config asks for them)."""
-        engine, wait = self.engine, 0.0
-        where = lambda: f"step {engine.global_steps}"  # noqa: E731
-        for _ in range(self.accumulation):
-            if synthetic:
-                inputs, targets = self.batch
-            else:
-                (inputs, targets), waited = self._next_batch()
-                wait += waited
-            micro_step(engine, inputs, targets, loss_fn=self.loss_fn, guard=self.guard, where=where)
-        return wait
+        """The training loop's step and checks (one reduction and host sync where the config asks for them)."""
+        engine = self.engine
+        result = train_step(
+            engine,
+            itertools.repeat(self.batch) if synthetic else self.batches,
+            loss_fn=self.loss_fn,
+            guard=self.guard,
+            where=lambda index: f"step {engine.global_steps}",
+        )
+        return result.data_wait_s
 
     def plain(self) -> Callable[[Marks], float]:
         """The same model and batch stepped by plain PyTorch: torch.optim.Adam, DDP across ranks, autocast."""

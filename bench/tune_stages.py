@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from bench.cases import PRECISIONS, bf16_supported
+from pipeline.backends import BACKENDS
 from pipeline.loaders import dali_installed, resolve_backend
-from pipeline.storage import DEVICE, HOST, STORAGES
+from pipeline.storage import DEVICE, STORAGES, planned
 from trainer.config import Config, channels_last_on
 from trainer.engine import precision_of
 
@@ -137,8 +138,8 @@ def _storage(tuner: Tuner, cfg: Config, template: dict[str, Any]) -> Found:
 
 
 def _backend(tuner: Tuner, cfg: Config, template: dict[str, Any]) -> Found:
-    now = resolve_backend(cfg.backend, tuner.device_type, STORAGES.get(cfg.storage, HOST))  # auto: host's, at most
-    found = _choices("backend", "backend", ["torch", "dali"], now=now, label="backend {}")
+    now = resolve_backend(cfg.backend, tuner.device_type, planned(cfg.storage))
+    found = _choices("backend", "backend", list(BACKENDS), now=now, label="backend {}")
     if not dali_installed():
         found[1].status, found[1].reason = "not available here", "NVIDIA DALI is not installed"
     return found

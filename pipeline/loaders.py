@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from pipeline.backends import AUTO, DALI, TORCH, Backend
 from pipeline.crops import CropBatcher, ring_slots
 from pipeline.sampling import Augmenter, DrawPlan
 from pipeline.shared import Node
@@ -22,9 +23,6 @@ from pipeline.storage import StorageMode, mode_of
 from pipeline.volumes import VolumePair
 
 log = logging.getLogger(__name__)
-
-Backend = Literal["dali", "torch"]
-Auto = Literal["auto"]
 
 
 def dali_installed() -> bool:
@@ -47,19 +45,19 @@ class LoaderSettings:
         object.__setattr__(self, "storage", mode_of(self.storage))
 
 
-def resolve_backend(backend: Backend | Auto, device_type: str, storage: StorageMode | str) -> Backend:
+def resolve_backend(backend: str, device_type: str, storage: StorageMode | str) -> Backend:
     """``auto`` is torch on a CPU, where the batcher's single fused copy is faster than DALI's CPU operators, and for
     volumes resident on a GPU, where both backends cut with the same ``DeviceCutter`` and DALI adds two copies; DALI
     for the GPU's other storage modes, where it reads and cuts on its own threads. The measurements: docs/data.md."""
-    if backend != "auto":
+    if backend != AUTO:
         return backend
-    return "dali" if device_type == "cuda" and not mode_of(storage).on_device else "torch"
+    return DALI if device_type == "cuda" and not mode_of(storage).on_device else TORCH
 
 
 def batches_held(backend: Backend) -> int:
     """Batches a loader may still read after the batcher returned them: DALI may hold the one it is processing
     and the one it prefetched; the torch loader copies at once."""
-    return 2 if backend == "dali" else 1
+    return 2 if backend == DALI else 1
 
 
 def batch_buffer_bytes(settings: LoaderSettings, batch: int, crop: int, *, channels: int, reader: str = "hdf5") -> int:
@@ -110,7 +108,7 @@ def build_loader(
         # device rotates, it also moves the channels. The torch backend uploads straight from the batcher's
         # buffers, pinned on a GPU; DALI stages its own.
         channels_last = settings.channels_last and not on_gpu
-        allocate = {"allocate": pinned_buffer} if on_gpu and settings.backend == "torch" else {}
+        allocate = {"allocate": pinned_buffer} if on_gpu and settings.backend == TORCH else {}
         batcher = CropBatcher(
             kept.volumes,
             plan,
@@ -122,7 +120,7 @@ def build_loader(
             channels_last=channels_last,
             **allocate,
         )
-    if settings.backend == "torch":
+    if settings.backend == TORCH:
         from pipeline.torch_backend import TorchLoader
 
         rotate = on_gpu or kept.resident is not None  # resident volumes are cut (and rotated) by the gather

@@ -58,14 +58,6 @@ def _generate() -> tuple[Rotation, ...]:
 ROTATIONS: tuple[Rotation, ...] = _generate()
 
 
-def rotation_from_matrix(m: np.ndarray) -> Rotation:
-    """The table entry whose matrix is ``m`` (raises ValueError for anything else)."""
-    for rot in ROTATIONS:
-        if np.array_equal(rot.matrix, m):
-            return rot
-    raise ValueError(f"not a rotation of the cube: {m.tolist()}")
-
-
 def check_vector_groups(groups: VectorGroups, num_channels: int) -> None:
     """Each vector is three distinct channel indices in range; channels belong to one vector at most."""
     seen: set[int] = set()
@@ -142,8 +134,3 @@ def rotate_into(x: np.ndarray, rot: Rotation, groups: VectorGroups, *, out: np.n
             else:
                 np.negative(src, out=dst)
     return out
-
-
-def rotate_volume(x: np.ndarray, rot: Rotation, groups: VectorGroups) -> np.ndarray:
-    """``x`` (C, D, H, W) rotated by ``rot`` into a new array."""
-    return rotate_into(x, rot, groups, out=np.empty(x.shape, dtype=x.dtype))

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from pipeline.backends import TORCH
 from pipeline.crops import CropBatcher
 from pipeline.shared import Node, shared_array
 from pipeline.volumes import DataError, VolumePair
@@ -82,7 +83,7 @@ class StorageMode:
 
     def uses_batcher(self, backend: str, reader: str) -> bool:
         """Whether the ``CropBatcher`` cuts the crops on its CPU threads (``reader``: ``VolumeFiles.reader``)."""
-        return backend == "torch" or reader != "npy"  # DALI reads plain .npy files itself, neither HDF5 nor bricks
+        return backend == TORCH or reader != "npy"  # DALI reads plain .npy files itself, neither HDF5 nor bricks
 
     def host_bytes(self, volume_bytes: int, *, buffer_bytes: int, local_ranks: int) -> int:
         """Host memory on this node: the shared copy of the volumes where there is one, each rank's batch buffers."""
@@ -116,7 +117,7 @@ class Host(StorageMode):
     loaded = True
 
     def uses_batcher(self, backend: str, reader: str) -> bool:
-        return backend == "torch"  # DALI slices volumes in memory itself
+        return backend == TORCH  # DALI slices volumes in memory itself
 
     def keep(self, volumes: VolumePair, *, node: Node, split: str, device: torch.device, dtype: str) -> Kept:
         return Kept(volumes=shared_copy(volumes, node, split))
@@ -165,7 +166,15 @@ class Device(StorageMode):
 
 
 LAZY, HOST, DEVICE = Lazy(), Host(), Device()
+# By name, in the order of the memory they keep, least first: ranks that choose differently take the first any chose.
 STORAGES: dict[str, StorageMode] = {mode.name: mode for mode in (LAZY, HOST, DEVICE)}
+AUTO = "auto"  # choose_storage's choice, by what fits
+
+
+def planned(name: str) -> StorageMode:
+    """The mode a config's ``storage`` stands for before a run chooses: its own, or for ``auto`` host (what auto
+    keeps where nothing is known of the memory; the benchmarks plan with it)."""
+    return STORAGES.get(name, HOST)
 
 
 KEPT_FREE = 0.1  # the share of a memory storage auto leaves free: allocators' slack, what the estimates miss

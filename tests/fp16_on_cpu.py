@@ -12,7 +12,7 @@ from typing import Any
 
 from deepspeed.accelerator import get_accelerator
 
-import trainer.build
+import trainer.engine
 from trainer.engine import BatchPlan, merge_settings, resolve_ds_config
 
 # DeepSpeed's FusedAdam has no CPU build worth its 45 s compile: torch's Adam, unless the config says otherwise.
@@ -27,7 +27,7 @@ def gpu_ds_config(template: dict[str, Any], plan: BatchPlan, lr: float, device_t
 def allow_fp16_on_cpu() -> None:
     """Let DeepSpeed build fp16 engines on the CPU, and the trainer keep fp16 in their configs (as on a GPU)."""
     get_accelerator().is_fp16_supported = lambda: True
-    trainer.build.resolve_ds_config = gpu_ds_config
+    trainer.engine.resolve_ds_config = gpu_ds_config
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.env import REPO
-from bench.pipeline import AUG, DOC, PlainCopies, ReferenceStyleCrops, _latest_run, _time_batches, table, update_doc
+from bench.env import DOC, REPO, update_doc
+from bench.pipeline import AUG, PlainCopies, ReferenceStyleCrops, _latest_run, _time_batches, table
 from bench.pipeline import main as pipeline_main
 from pipeline.sampling import DrawPlan
 from pipeline.volumes import VolumeFiles, VolumePair

@@ -190,7 +190,7 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
 
     from trainer.dist import DistEnv, init_distributed
     from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
-    from trainer.step import micro_step
+    from trainer.step import train_step
 
     init_distributed(DistEnv.from_environ({}), 60.0)
     config = resolve_ds_config(
@@ -202,7 +202,7 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
     x = torch.randn(4, 4, 32, 32, 32, device=engine.device).contiguous(memory_format=CHANNELS_LAST)
     y = torch.rand(4, 5, 32, 32, 32, device=engine.device) - 0.5
     for _ in range(2):  # warm-up: first calls set things up
-        micro_step(engine, x, y, loss_fn=Loss())
+        train_step(engine, iter([(x, y)]), loss_fn=Loss())
     torch.cuda.synchronize()
 
     def no_sync(*args, **kwargs):
@@ -211,7 +211,7 @@ def test_a_training_step_does_not_synchronize_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = micro_step(engine, x, y, loss_fn=Loss())
+        (loss,) = train_step(engine, iter([(x, y)]), loss_fn=Loss()).losses
     finally:
         torch.cuda.set_sync_debug_mode("default")
         monkeypatch.undo()
@@ -224,7 +224,7 @@ from model import Loss, UNet
 from tests.conftest import REPO
 from trainer.dist import DistEnv
 from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
-from trainer.step import micro_step
+from trainer.step import train_step
 from trainer.dist import init_distributed
 
 device = init_distributed(DistEnv.from_environ(), 60.0)
@@ -239,10 +239,12 @@ for skip in (False, True):
     assert skip_single_rank_reduction(engine) if skip else engine.enable_backward_allreduce
     engines.append(engine)
 gen = torch.Generator().manual_seed(1)
-for _ in range(4):  # two optimizer steps of two micro-batches
-    x, y = torch.randn(2, 4, 8, 8, 8, generator=gen), torch.rand(2, 5, 8, 8, 8, generator=gen) - 0.5
+for _ in range(2):  # two optimizer steps of two micro-batches
+    batches = [(torch.randn(2, 4, 8, 8, 8, generator=gen), torch.rand(2, 5, 8, 8, 8, generator=gen) - 0.5)
+               for _ in range(2)]
     for engine in engines:
-        micro_step(engine, x.to(engine.device), y.to(engine.device), loss_fn=Loss(lambda_rho=0.1))
+        on_device = [(x.to(engine.device), y.to(engine.device)) for x, y in batches]
+        train_step(engine, iter(on_device), loss_fn=Loss(lambda_rho=0.1))
 assert engines[1].global_steps == 2 and not engines[1].enable_backward_allreduce
 reduced, skipped = ([p.detach().cpu() for p in engine.module.parameters()] for engine in engines)
 assert not all(torch.equal(p, q) for p, q in zip(reduced, initial)), "the weights did not move"
@@ -269,7 +271,7 @@ from model import Loss, UNet
 from tests.conftest import REPO
 from trainer.dist import DistEnv
 from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
-from trainer.step import micro_step
+from trainer.step import train_step
 from trainer.dist import init_distributed
 
 device = init_distributed(DistEnv.from_environ(), 60.0)
@@ -282,7 +284,7 @@ accelerator, syncs = get_accelerator(), []
 accelerator.synchronize = lambda *args, **kwargs: syncs.append(1)
 x, y = torch.randn(2, 4, 8, 8, 8), torch.rand(2, 5, 8, 8, 8) - 0.5
 for _ in range(5):
-    micro_step(engine, x.to(engine.device), y.to(engine.device), loss_fn=Loss(lambda_rho=0.1))
+    train_step(engine, iter([(x.to(engine.device), y.to(engine.device))]), loss_fn=Loss(lambda_rho=0.1))
 print("device syncs in 5 steps:", len(syncs))
 """
 

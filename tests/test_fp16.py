@@ -21,7 +21,7 @@ from model import Loss, UNet
 from tests.fp16_on_cpu import allow_fp16_on_cpu, gpu_ds_config
 from trainer.dist import DistEnv, init_distributed
 from trainer.engine import BatchPlan, load_ds_template, skip_single_rank_reduction
-from trainer.step import micro_step
+from trainer.step import train_step
 
 allow_fp16_on_cpu()
 init_distributed(DistEnv.from_environ({}), 60.0)
@@ -46,8 +46,8 @@ for case in json.loads(sys.argv[1]):
         p.register_hook(lambda g, n=n: grads.__setitem__(n, grads.get(n, 0) + g.float().cpu()))
     scale = engine.optimizer.loss_scale if engine.fp16_enabled() else 1.0
     dtype = next(engine.module.parameters()).dtype
-    for _ in range(accumulation):
-        micro_step(engine, x.to(engine.device, dtype), y.to(engine.device), loss_fn=Loss())
+    batch = (x.to(engine.device, dtype), y.to(engine.device))
+    train_step(engine, iter([batch] * accumulation), loss_fn=Loss())
     ratios = [float(grads[n].norm() / p.grad.norm()) for n, p in reference.named_parameters()]
     cosines = [float(torch.nn.functional.cosine_similarity(grads[n].flatten(), p.grad.flatten(), dim=0))
                for n, p in reference.named_parameters()]

@@ -17,7 +17,7 @@ from tests.fp16_on_cpu import allow_fp16_on_cpu, gpu_ds_config
 from trainer.dist import DistEnv, init_distributed
 from trainer.engine import BatchPlan, load_ds_template, skip_single_rank_reduction
 from trainer.numerics import LearningWatch
-from trainer.step import micro_step
+from trainer.step import train_step
 
 class Collect(logging.Handler):
     def emit(self, record):
@@ -46,7 +46,7 @@ for step in range(1, case["steps"] + 1):
     x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 5, generator=gen)
     x, y = x.to(engine.device, dtype), y.to(engine.device)
     seen = watch.after_backward if step >= case["watch_from"] else None
-    micro_step(engine, x, y, loss_fn=loss_fn(step in case["overflow"]), after_backward=seen)
+    train_step(engine, iter([(x, y)]), loss_fn=loss_fn(step in case["overflow"]), after_backward=seen)
     if step >= case["watch_from"] and (step - case["watch_from"] + 1) % case["log_every"] == 0:
         reports.append(vars(watch.report()))
 print(json.dumps({"reports": reports, "warnings": warnings, "changed": watch.weights_changed(),

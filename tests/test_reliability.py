@@ -360,6 +360,25 @@ def test_nonfinite_losses_are_skipped_and_counted(data, tmp_path):
     assert "non-finite loss at epoch" in result.stderr
 
 
+def test_a_skipped_micro_batch_adds_nothing_and_each_epoch_ends_on_its_own_steps(data, tmp_path):
+    """With accumulation, a micro-batch skipped for a non-finite loss adds no gradient to its step, which still ends
+    with the step's own micro-batches (a step skipped whole is not taken): no gradient is carried into the next epoch,
+    so a run stopped after its first epoch and resumed ends bit for bit where the uninterrupted run ends."""
+    bad = _with_nan(data, tmp_path)
+    accumulated = ["--micro_batch_size", "4", "--num_epochs", "2", "--data_checks", "none"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for run_dir, extra in ((straight, []), (split, ["--stop_after_epoch", "1"])):
+        result = run_train(_args(data, run_dir, *accumulated, *extra, train=bad))
+        assert result.returncode == 0, result.stderr[-2000:]
+    result = run_train(["--run_dir", str(split), "--resume"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    whole, resumed = (json.loads((d / "summary.json").read_text()) for d in (straight, split))
+    assert whole["accumulation"] == 2 and whole["nonfinite_losses"] > 0
+    assert resumed["resumed_from"] == {"epoch": 1, "batch_in_epoch": 0}
+    assert whole["steps"] == resumed["steps"] <= 32 and whole["nonfinite_losses"] == resumed["nonfinite_losses"]
+    assert whole["final_val_loss"] == resumed["final_val_loss"]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

@@ -3,9 +3,22 @@ import itertools
 import numpy as np
 import pytest
 
-from pipeline.rotations import ROTATIONS, check_vector_groups, rotate_volume, rotation_from_matrix
+from pipeline.rotations import ROTATIONS, Rotation, check_vector_groups, rotate_into
 
 VEC = [[1, 2, 3]]
+
+
+def rotation_from_matrix(m: np.ndarray) -> Rotation:
+    """The table entry whose matrix is ``m`` (raises ValueError for anything else)."""
+    for rot in ROTATIONS:
+        if np.array_equal(rot.matrix, m):
+            return rot
+    raise ValueError(f"not a rotation of the cube: {m.tolist()}")
+
+
+def rotate_volume(x: np.ndarray, rot: Rotation, groups) -> np.ndarray:
+    """``x`` (C, D, H, W) rotated by ``rot`` into a new array."""
+    return rotate_into(x, rot, groups, out=np.empty(x.shape, dtype=x.dtype))
 
 
 def test_there_are_24_distinct_proper_rotations():

@@ -218,7 +218,7 @@ def test_profile_records_a_trace_of_the_step_phases(tmp_path):
     events = json.loads(traces[0].read_text())["traceEvents"]
     names = {e.get("name") for e in events}
     assert {"data_wait", "forward", "backward", "optimizer_step"} <= names
-    assert sum(e.get("name") == "forward" for e in events) == 3  # the three recorded micro-steps
+    assert sum(e.get("name") == "forward" for e in events) == 3  # the three recorded steps
     # Where the time went: the ten most expensive operators, and each U-Net block's share forward and backward.
     table = (tmp_path / "run" / "profile" / "summary_rank0.txt").read_text().splitlines()
     assert table[0].startswith("CPU operators: ") and table[2] == "the 10 most expensive:"
@@ -236,5 +236,5 @@ def test_profile_says_when_the_run_is_too_short_for_a_trace(tmp_path):
     result = _ok(
         run_train(shared_tiny_args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--Nsamples", "8", "--profile"))
     )
-    assert "--profile: the run ended before the recorded micro-steps began: no trace was written" in result.stderr
+    assert "--profile: the run ended before the recorded steps began: no trace was written" in result.stderr
     assert not list((tmp_path / "run" / "profile").glob("rank0*"))

@@ -1,7 +1,7 @@
 import pytest
 
-from trainer.build import unused_data_keys, validation_share
 from trainer.config import Config
+from trainer.data import unused_data_keys, validation_share
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,8 @@ import shutil
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from model.checkpoints import (
     tag_for,
     write_manifest,
 )
+from trainer.config.sections import Checkpointing
 from trainer.dist import is_main_process
 from trainer.errors import CheckpointError, NumericalError
 
@@ -127,49 +129,96 @@ def _publish(ckpt_dir: Path, partial: str, tag: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-@dataclass(kw_only=True)
-class Cadence:
-    """When a run saves, besides on a stop: after every ``every_epochs``-th epoch and the last, every ``every_steps``
-    optimizer steps, and every ``every_minutes`` minutes (rank 0's clock, agreed by every rank at a log point)."""
+@dataclass(frozen=True, kw_only=True)
+class Position:
+    """Where training is: the optimizer steps taken, the epoch (0-based) and the micro-batches of it done."""
 
-    every_epochs: int
-    every_steps: int | None = None
-    every_minutes: float | None = None
-    last_save: float = field(default_factory=time.monotonic)
-
-    def clock_due(self) -> bool:
-        return self.every_minutes is not None and time.monotonic() - self.last_save >= 60 * self.every_minutes
-
-    def after_step(self, step: int, *, timed: bool) -> bool:
-        return timed or bool(self.every_steps and step % self.every_steps == 0)
-
-    def after_epoch(self, epoch: int, *, last: int) -> bool:
-        return epoch == last or bool(self.every_epochs and epoch % self.every_epochs == 0)
-
-    def saved(self) -> None:
-        self.last_save = time.monotonic()
+    step: int
+    epoch: int
+    batch_in_epoch: int
 
 
 class Checkpointer:
-    """Saves a run's checkpoints, on every rank alike. Rank 0 finishes each one (fsync of its files, the manifest's
-    checksums, the rename and ``latest``, the pruning) in a thread of its own while training goes on; the next save,
-    and ``finish``, wait for it first, and a failure there ends the run on every rank at that point."""
+    """Saves a run's checkpoints on every rank alike, and decides when (``reached``, called after each step and at each
+    epoch's end): every ``every_epochs``-th epoch and the last, every ``every_steps`` steps, every ``every_minutes``
+    minutes (rank 0's clock, agreed every ``agree_every`` steps), on a stop. A save due at an epoch's last step waits
+    for the epoch's end, so that its checkpoint says the epoch is done. Rank 0 finishes each save (fsync, checksums,
+    rename, ``latest``, pruning) in a thread while training goes on; the next save and ``finish`` wait for it, and a
+    failure there ends the run on every rank."""
 
-    def __init__(self, engine: Any, run_dir: Path, *, keep: int) -> None:
-        self.engine, self.ckpt_dir, self.keep = engine, run_dir / CHECKPOINT_DIR, keep
+    def __init__(
+        self,
+        engine: Any,
+        run_dir: Path,
+        *,
+        settings: Checkpointing,
+        batches_per_epoch: int,
+        agree_every: int,
+        saved: Position | None = None,
+        before_save: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.engine, self.ckpt_dir, self.settings = engine, run_dir / CHECKPOINT_DIR, settings
+        self.before_save = before_save  # raises where the run no longer holds its directory
+        self.batches_per_epoch, self.agree_every = batches_per_epoch, agree_every
+        self.saved = saved  # the newest checkpoint's position: the one resumed from, then each this run saves
         self.rank = torch_dist.get_rank()
+        self._last_save = time.monotonic()
+        self._at_epoch_end = False  # a save due at an epoch's last step, made at the epoch's end
         self._publishing: threading.Thread | None = None
         self._published: tuple[str, Exception | None] | None = None  # the tag in the background, and its failure
 
-    def save(self, client_state: dict[str, Any], *, wait: bool = False) -> str:
-        """Save the engine's state as the newest checkpoint; returns its tag. With ``wait`` it is the latest on
-        disk when this returns (a stop, the end of training); else rank 0 finishes it in the background.
+    def reached(
+        self,
+        at: Position,
+        state: Callable[[], dict[str, Any]],
+        *,
+        epoch_end: bool = False,
+        last: bool = False,
+        stopping: bool = False,
+    ) -> str | None:
+        """The loop is ``at`` a step's end, or with ``epoch_end`` an epoch's (after its validation); ``last`` after the
+        run's last epoch. Saves where due, with ``state()`` as the client state (waited for on a stop and at the
+        end); returns the tag saved, if any."""
+        if stopping or last:
+            return self.save(at, state, wait=True)
+        if epoch_end:
+            due, self._at_epoch_end = self._at_epoch_end or self._every(at.epoch, self.settings.every_epochs), False
+        else:
+            due = self._every(at.step, self.settings.every_steps) or self._clock_agreed(at.step)
+            if due and at.batch_in_epoch == self.batches_per_epoch:
+                due, self._at_epoch_end = False, True
+        return self.save(at, state) if due else None
+
+    @staticmethod
+    def _every(count: int, every: int | None) -> bool:
+        return bool(every and count % every == 0)
+
+    def _clock_agreed(self, step: int) -> bool:
+        """Every ``agree_every`` steps, whether rank 0's clock says a timed save is due (one small reduction)."""
+        if self.settings.every_minutes is None or step % self.agree_every:
+            return False
+        due = time.monotonic() - self._last_save >= 60 * self.settings.every_minutes
+        flag = torch.tensor([float(self.rank == 0 and due)], device=self.engine.device)
+        torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def save(self, at: Position, state: Callable[[], dict[str, Any]], *, wait: bool = False) -> str | None:
+        """Save the engine's state at ``at`` as the newest checkpoint, unless the newest is of this position already;
+        returns its tag. With ``wait`` it is the latest on disk when this returns; else rank 0 finishes it in the
+        background.
 
         Weights that are not finite are never saved (NumericalError). A write that fails on any rank is a
         CheckpointError on every rank, the partial directory removed and the previous checkpoint left the latest.
         """
+        self._last_save = time.monotonic()  # a save of any kind is the clock's too
+        if self.saved == at:  # saved already (a step's cadence, then a stop at that step)
+            if wait:
+                self.finish()
+            return None
         self.finish()
+        self.before_save()
         engine, ckpt_dir = self.engine, self.ckpt_dir
+        client_state = state()
         tag = tag_for(engine.global_steps)
         if not weights_are_finite(engine):
             raise NumericalError(
@@ -205,6 +254,8 @@ class Checkpointer:
         if wait:
             self.finish()
         torch_dist.barrier()
+        self.saved = at
+        log.info("checkpoint %s saved", tag)
         return tag
 
     def _publish(self, tag: str) -> None:
@@ -213,7 +264,7 @@ class Checkpointer:
             partial = self.ckpt_dir / f".{tag}.partial"
             _fsync_own_files(partial, 0)
             _publish(self.ckpt_dir, partial.name, tag)
-            _prune(self.ckpt_dir, self.keep)
+            _prune(self.ckpt_dir, self.settings.keep)
         except Exception as err:  # any failure is said on every rank by finish(), never lost with the thread
             self._published = (tag, err)
 

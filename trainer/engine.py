@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from common.tensors import DTYPES
+from trainer.config import Config
 from trainer.dist import is_main_process
 from trainer.errors import ConfigError
 from trainer.fused_adam import TORCH_FUSED_ADAM, fused_adam_problem
+from trainer.lr_schedule import peak_lr
 
 log = logging.getLogger(__name__)
 
@@ -220,3 +222,15 @@ def precision_of(ds_config: dict[str, Any]) -> str:
 def train_dtype(engine: Any) -> torch.dtype:
     """The dtype the engine's model computes in, which is what the pipeline must deliver."""
     return DTYPES["fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"]
+
+
+def engine_config(cfg: Config, world_size: int, device_type: str) -> dict[str, Any]:
+    """The DeepSpeed config of a run: the JSON with its overrides, the batch split over ``world_size`` ranks, and
+    the peak learning rate (``lr_schedule.start_lr`` scaled to the global batch), computed here and nowhere else."""
+    sched = cfg.lr_schedule
+    return resolve_ds_config(
+        load_ds_template(cfg.deepspeed_config, cfg.deepspeed_overrides),
+        plan_batches(cfg.global_batch_size, cfg.micro_batch_size, world_size),
+        peak_lr(sched.start_lr, sched.scaling, cfg.global_batch_size, base_batch=cfg.base_batch_size),
+        device_type=device_type,
+    )

@@ -10,9 +10,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from torch.optim import Optimizer
+
+from trainer.config import LRSchedule
+
+
+class Schedule(Protocol):
+    """What the trainer, the learning watch and DeepSpeed ask of a learning-rate schedule: DeepSpeed calls ``step``
+    after each applied optimizer step and saves ``state_dict`` in its checkpoints."""
+
+    peak: float  # the largest learning rate of the run
+    steps_taken: int  # optimizer steps taken, skipped ones included
+
+    def lr_at(self, t: int) -> float:
+        """The learning rate of optimizer step ``t`` (1-based)."""
+
+    def follow(self, engine: Any) -> None:
+        """Count the steps ``engine`` skips (fp16 overflow) as taken."""
+
+    def step(self) -> None: ...
+
+    def get_last_lr(self) -> list[float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def peak_lr(start_lr: float, scaling: str, global_batch: int, *, base_batch: int) -> float:
@@ -25,6 +49,8 @@ def warmup_applies(scaling: str, global_batch: int, base_batch: int) -> bool:
 
 
 class ScaledCosineSchedule:
+    """Warm-up (where it applies), then cosine decay from the scaled peak to ``end_lr`` at ``total_steps``."""
+
     def __init__(
         self,
         optimizer: Optimizer,
@@ -82,3 +108,23 @@ class ScaledCosineSchedule:
         self.steps_taken = int(state["steps_taken"])
         self.skipped_counted = int(state.get("skipped_counted", 0))  # checkpoints from before it was counted: 0
         self._apply()
+
+
+# The shapes of ``lr_schedule.shape``, by name.
+SHAPES: dict[str, type[ScaledCosineSchedule]] = {"cosine": ScaledCosineSchedule}
+
+
+def make_schedule(
+    optimizer: Optimizer, settings: LRSchedule, *, total_steps: int, global_batch: int, base_batch: int
+) -> Schedule:
+    """The schedule the config's ``lr_schedule`` section asks for, over ``total_steps`` optimizer steps."""
+    return SHAPES[settings.shape](
+        optimizer,
+        start_lr=settings.start_lr,
+        end_lr=settings.end_lr,
+        warmup_steps=settings.warmup_steps,
+        total_steps=total_steps,
+        scaling=settings.scaling,
+        global_batch=global_batch,
+        base_batch=base_batch,
+    )

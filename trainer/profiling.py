@@ -21,7 +21,7 @@ from model import UNet
 
 log = logging.getLogger(__name__)
 TOP_KERNELS = 10
-PROFILE_STEPS = 3  # micro-steps a trace records, after one skipped and one of warm-up
+PROFILE_STEPS = 3  # optimizer steps a trace records, after one skipped and one of warm-up
 
 
 def blocks(model: UNet) -> list[tuple[str, torch.nn.Module]]:
@@ -122,10 +122,10 @@ def write_summary(prof: torch.profiler.profile, path: Path, *, on_gpu: bool) -> 
 
 
 class StepProfiler:
-    """``--profile``: a torch.profiler trace of micro-steps 3 to 5 (the first two skipped as warm-up) into
+    """``--profile``: a torch.profiler trace of optimizer steps 3 to 5 (the first two skipped as warm-up) into
     ``out_dir``, one file per rank, which TensorBoard's profiler plugin or Perfetto reads, with the blocks' ranges
     (unless the model is compiled: hooks added after compiling would break or escape its graphs) and the summary
-    table beside it. ``step()`` after each micro-step; ``stop()`` at the end (or on an error)."""
+    table beside it. ``step()`` after each optimizer step; ``stop()`` at the end (or on an error)."""
 
     def __init__(self, model: UNet, out_dir: Path, rank: int, *, on_gpu: bool, compiled: bool) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -139,7 +139,7 @@ class StepProfiler:
             self._stop_block_ranges()  # the steps after the recorded ones run without the hooks
             trace(prof)
             write_summary(prof, table, on_gpu=on_gpu)
-            log.info("profile of micro-steps 3 to %d: %s", 2 + PROFILE_STEPS, table)
+            log.info("profile of steps 3 to %d: %s", 2 + PROFILE_STEPS, table)
 
         schedule = torch.profiler.schedule(wait=1, warmup=1, active=PROFILE_STEPS, repeat=1)
         self.profiler: torch.profiler.profile | None = torch.profiler.profile(
@@ -152,21 +152,21 @@ class StepProfiler:
             self.block_ranges = block_ranges(model)
             self.block_ranges.__enter__()
         self.profiler.start()
-        log.info("profiling micro-steps 3 to %d into %s", 2 + PROFILE_STEPS, out_dir)
+        log.info("profiling steps 3 to %d into %s", 2 + PROFILE_STEPS, out_dir)
 
     def step(self) -> None:
         if self.profiler is not None:
             self.profiler.step()
 
     def stop(self) -> None:
-        """End the trace (once); says so where the run ended before the recorded micro-steps began."""
+        """End the trace (once); says so where the run ended before the recorded steps began."""
         if self.profiler is None:
             return
         self.profiler.stop()
         self.profiler = None
         self._stop_block_ranges()
         if not any(self.out_dir.glob(f"rank{self.rank}*")):
-            log.warning("--profile: the run ended before the recorded micro-steps began: no trace was written")
+            log.warning("--profile: the run ended before the recorded steps began: no trace was written")
 
     def _stop_block_ranges(self) -> None:
         if self.block_ranges is not None:

@@ -1,5 +1,5 @@
-"""One training micro-step, the only one: the training loop, the benchmark's timed steps and the GPU tests run it;
-and ``StepGuard``, through which the ranks agree between steps on what to do next.
+"""One optimizer step, the only one: ``train_step``, which the training loop, the benchmark's timed steps and the
+tests run; and ``StepGuard``, through which the ranks agree between steps on what to do next.
 
 Each phase is a named range: ``torch.profiler`` records it (``--profile``), and on a GPU it is also an NVTX range,
 so that ``nsys profile`` shows data wait, forward, backward and optimizer step on its timeline.
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -17,7 +19,7 @@ import torch.distributed as torch_dist
 
 from model import Loss
 from pipeline.volumes import DataError
-from trainer.config import Config
+from trainer.config.sections import Faults
 from trainer.errors import NumericalError
 from trainer.loss_scaling import backward
 from trainer.preemption import StopRequest
@@ -68,33 +70,66 @@ def phase(name: str) -> Iterator[None]:
         clock.end(name)
 
 
-def micro_step(
+@dataclass(kw_only=True)
+class StepResult:
+    """What one optimizer step did: the losses of its micro-batches that trained (on the device: reading them would
+    synchronize), whether the optimizer stepped (not where every micro-batch was skipped; fp16 may still skip the
+    update for overflow), and the seconds spent waiting for the data."""
+
+    losses: list[torch.Tensor] = field(default_factory=list)
+    stepped: bool = False
+    data_wait_s: float = 0.0
+
+
+def train_step(
     engine: Any,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
     *,
     loss_fn: Loss,
     guard: StepGuard | None = None,
-    where: Callable[[], str] = lambda: "this step",
+    where: Callable[[int], str] = lambda index: "this step",
     after_backward: Callable[[], None] | None = None,
-) -> torch.Tensor | None:
-    """Forward, backward and (at an accumulation boundary, where DeepSpeed counts the micro-steps) the optimizer step.
+) -> StepResult:
+    """One optimizer step over the engine's accumulation count of micro-batches taken from ``batches``: forward and
+    backward each, the optimizer step after the last, the accumulation boundary said to DeepSpeed explicitly.
 
-    The ``guard`` may skip the rest after the forward (None is returned: a non-finite loss every rank agreed to skip);
-    ``after_backward()`` sees the gradients before the optimizer takes them. Returns the loss still on the device:
-    reading it here would synchronize every step.
+    A micro-batch the ``guard`` skips (a non-finite loss, skipped on every rank alike; ``where(index)`` names it)
+    adds no gradient: where it is the last, a backward of zero keeps the boundary's reduction; where every one is
+    skipped, no optimizer step is taken. ``after_backward()`` sees the step's gradients before the optimizer does.
     """
-    with phase("forward"):
-        loss = loss_fn(engine(inputs), targets)
-    if guard is not None and not guard.allows(loss, inputs, targets, where=where):
-        return None
-    with phase("backward"):
-        backward(engine, loss)  # engine.backward, with fp16's loss scale applied exactly once
-    if after_backward is not None:
-        after_backward()
-    with phase("optimizer_step"):
-        engine.step()
-    return loss.detach()
+    accumulation = engine.gradient_accumulation_steps()
+    result = StepResult()
+    for index in range(accumulation):
+        last = index == accumulation - 1
+        waited = time.perf_counter()  # time blocked on the pipeline: what it costs the step
+        with phase("data_wait"):
+            batch = next(batches, None)
+        result.data_wait_s += time.perf_counter() - waited
+        if batch is None:
+            raise RuntimeError(f"the batches ended {accumulation - index} micro-batch(es) short of a whole step")
+        inputs, targets = batch
+        engine.set_gradient_accumulation_boundary(last)
+        with phase("forward"):
+            loss = loss_fn(engine(inputs), targets)
+        if guard is not None and not guard.allows(loss, inputs, targets, where=lambda i=index: where(i)):
+            if not (last and result.losses):
+                continue
+            loss = None  # the step's gradients are the earlier micro-batches'
+        with phase("backward"):
+            backward(engine, _zero_loss(engine) if loss is None else loss)  # fp16's loss scale applied once
+        if last and after_backward is not None:
+            after_backward()
+        with phase("optimizer_step"):
+            engine.step()  # at the boundary the optimizer step, else a micro-step counted
+        if loss is not None:
+            result.losses.append(loss.detach())
+        result.stepped = last
+    return result
+
+
+def _zero_loss(engine: Any) -> torch.Tensor:
+    """A loss of 0 that reaches every trained weight: its backward adds nothing, but runs the boundary's hooks."""
+    return torch.stack([(p * 0).sum(dtype=torch.float32) for p in engine.module.parameters() if p.requires_grad]).sum()
 
 
 class StepGuard:
@@ -103,10 +138,10 @@ class StepGuard:
     makes ``stopping`` true on every rank alike. Each agreement is one small reduction, so one host sync."""
 
     def __init__(
-        self, cfg: Config, device: torch.device, stop: StopRequest | None, *, nonfinite_losses: int = 0
+        self, faults: Faults, device: torch.device, stop: StopRequest | None, *, nonfinite_losses: int = 0
     ) -> None:
-        self.cfg, self.device, self.stop = cfg, device, stop
-        self.every_step = cfg.nonfinite_loss != "ignore" or cfg.data_checks == "every_batch"
+        self.faults, self.device, self.stop = faults, device, stop
+        self.every_step = faults.nonfinite_loss != "ignore" or faults.data_checks == "every_batch"
         self.stopping = False
         self.nonfinite_losses, self.nonfinite_in_a_row = nonfinite_losses, 0
 
@@ -128,12 +163,12 @@ class StepGuard:
         if not self.every_step:
             return True
         bad_batch = torch.zeros((), device=loss.device)
-        if self.cfg.data_checks == "every_batch":
+        if self.faults.data_checks == "every_batch":
             bad_batch = ~(torch.isfinite(inputs).all() & torch.isfinite(targets).all())
         nonfinite, bad = self.agree(~torch.isfinite(loss.detach()), bad_batch)
         if bad:
             raise DataError(f"a training batch holds NaN or Inf values ({where()}); data_checks: every_batch")
-        if nonfinite and self.cfg.nonfinite_loss != "ignore":
+        if nonfinite and self.faults.nonfinite_loss != "ignore":
             self._nonfinite(where())
             return False
         self.nonfinite_in_a_row = 0
@@ -143,11 +178,11 @@ class StepGuard:
         """A NaN or Inf loss on some rank: every rank skips this micro-batch, or the run stops."""
         self.nonfinite_losses += 1
         self.nonfinite_in_a_row += 1
-        if self.cfg.nonfinite_loss == "stop":
+        if self.faults.nonfinite_loss == "stop":
             raise NumericalError(f"non-finite loss at {where} (nonfinite_loss: stop)")
-        if self.nonfinite_in_a_row >= self.cfg.max_nonfinite_in_a_row:
+        if self.nonfinite_in_a_row >= self.faults.max_nonfinite_in_a_row:
             raise NumericalError(
                 f"{self.nonfinite_in_a_row} non-finite losses in a row, the last at {where}: stopping "
-                f"(max_nonfinite_in_a_row {self.cfg.max_nonfinite_in_a_row})"
+                f"(max_nonfinite_in_a_row {self.faults.max_nonfinite_in_a_row})"
             )
         log.warning("non-finite loss at %s: batch skipped (%d so far)", where, self.nonfinite_losses)

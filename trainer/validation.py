@@ -10,9 +10,9 @@ import torch.distributed as torch_dist
 
 from model import Loss
 from model.evaluation import compare_box
+from model.metrics import Normalization
 from pipeline.volumes import VolumePair
-from trainer.build import normalization
-from trainer.config import Config
+from trainer.config.sections import Science
 
 
 @torch.no_grad()
@@ -28,20 +28,21 @@ def evaluate(engine: Any, loader: Iterable[tuple[torch.Tensor, torch.Tensor]], l
     return float(totals[0] / totals[1])
 
 
-def science_scalars(engine: Any, volumes: VolumePair, cfg: Config) -> dict[str, float]:
+def science_scalars(
+    engine: Any, volumes: VolumePair, science: Science, *, crop: int, norm: Normalization
+) -> dict[str, float]:
     """The validation box (or its fixed sub-volume at the origin, ``science_box_size``, taken as periodic) predicted
     tiled as ``python -m model.predict`` does, and model.metrics' statistics of it as TensorBoard scalars: L1 per
     channel, and the power-spectrum ratio and r(k) per k range. One rank's work; the engine is back in training mode
     after it."""
-    side = cfg.science_box_size or volumes.nbody.shape[1]
+    side = science.box_size or volumes.nbody.shape[1]
     micro = engine.train_micro_batch_size_per_gpu()
-    norm = normalization(cfg, "val")
     metrics = compare_box(
         engine.module,
         volumes.nbody,
         volumes.hydro,
         norm=norm,
-        crop=cfg.data_size,
+        crop=crop,
         batch=micro,
         device=engine.device,
         side=side,

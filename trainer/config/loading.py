@@ -185,11 +185,21 @@ def build_config(base: dict[str, Any], overrides: dict[str, str]) -> Config:
     return cfg
 
 
+def _with_defaults(saved: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` with the keys it lacks (added to the config since) at their defaults, in sections too."""
+    merged = dict(saved)
+    for key, default in defaults.items():
+        if key not in merged:
+            merged[key] = default
+        elif isinstance(default, dict) and default and isinstance(merged[key], dict):
+            merged[key] = _with_defaults(merged[key], default)
+    return merged
+
+
 def changes_on_resume(saved: dict[str, Any], cfg: Config) -> tuple[dict[str, tuple], dict[str, tuple]]:
     """(harmless, training-changing) differences between a run's saved config and the resumed one."""
-    now = to_dict(cfg)
-    defaults = to_dict(Config())  # keys newer than the saved run: it ran with their defaults
-    changed = {k: (saved.get(k, defaults[k]), v) for k, v in now.items() if saved.get(k, defaults[k]) != v}
+    now = _with_defaults(saved, to_dict(Config()))  # keys newer than the saved run: it ran with their defaults
+    changed = {k: (now[k], v) for k, v in to_dict(cfg).items() if now[k] != v}
     harmless = {k: d for k, d in changed.items() if k in RESUMABLE}
     return harmless, {k: d for k, d in changed.items() if k not in RESUMABLE}
 

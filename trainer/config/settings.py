@@ -12,11 +12,19 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pipeline.backends import AUTO as BACKEND_AUTO
+from pipeline.backends import BACKENDS, TORCH
 from pipeline.rotations import check_vector_groups
+from pipeline.storage import AUTO as STORAGE_AUTO
+from pipeline.storage import STORAGES
 from pipeline.synthetic import SyntheticSpec
+from trainer.config.sections import Checkpointing, Faults, Sampling, Science, section
 from trainer.errors import ConfigError
 
 Bound = Literal["positive", "non-negative"]
+# The names a config may give: pipeline.storage's modes and pipeline.backends' backends, each with its ``auto``.
+StorageName = Literal[(STORAGE_AUTO, *STORAGES)]
+BackendName = Literal[(BACKEND_AUTO, *BACKENDS)]
 # Which storage modes, backends and devices leave a data key unused: (cfg, effective StorageMode, backend, device type).
 Unused = typing.Callable[["Config", str, str, str], bool]
 
@@ -51,6 +59,9 @@ def _field(
 
 @dataclass(kw_only=True)
 class LRSchedule:
+    shape: Literal["cosine"] = _field(
+        "cosine", "after the warm-up: cosine decay from the peak to end_lr (the reference's)"
+    )
     scaling: Literal["sqrt", "linear", "none"] = _field(
         "sqrt", "scale start_lr by sqrt (or linear, or none) of global_batch_size / base_batch_size"
     )
@@ -103,7 +114,7 @@ class Config:
         "axis order of the .npy volumes: channels first or last, or bricks (the fastest for storage lazy: "
         "python -m pipeline.convert --layout bricks)",
     )
-    storage: Literal["auto", "lazy", "host", "device"] = _field(
+    storage: StorageName = _field(
         "auto",
         "lazy: read each crop from the files (the reference's lowmem); host: load the volumes into memory, one copy "
         "per node (inmem); device: load them into GPU memory and cut crops there (falls back to host without a GPU); "
@@ -119,7 +130,7 @@ class Config:
         resumable=True,
         unused=lambda cfg, storage, backend, device: not storage.on_device,
     )
-    backend: Literal["auto", "dali", "torch"] = _field(
+    backend: BackendName = _field(
         "auto",
         "dali: DALI pipelines make the samples; torch: the same samples from threads and torch ops; auto: dali on a "
         "GPU, torch on a CPU (measured faster there)",
@@ -154,7 +165,7 @@ class Config:
         "batches cut ahead of the one being trained on",
         bound="non-negative",
         resumable=True,
-        unused=lambda cfg, storage, backend, device: storage.on_device and backend == "torch",
+        unused=lambda cfg, storage, backend, device: storage.on_device and backend == TORCH,
     )
     # Model
     unet_width: int = _field(64, "channels of the first U-Net level (64 in the reference)", bound="positive")
@@ -323,6 +334,22 @@ class Config:
         "also every batch (one reduction and sync per step), or none",
         resumable=True,
     )
+
+    @property
+    def checkpointing(self) -> Checkpointing:
+        return section(Checkpointing, self, "checkpoint_")
+
+    @property
+    def faults(self) -> Faults:
+        return section(Faults, self)
+
+    @property
+    def science(self) -> Science:
+        return section(Science, self, "science_")
+
+    @property
+    def sampling(self) -> Sampling:
+        return section(Sampling, self)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
