@@ -37,6 +37,7 @@ from trainer.config import Config, build_config, config_parser, load_named, pars
 from trainer.data import RunData, build_data, prepare_data
 from trainer.dist import Device, DistEnv, init_distributed
 from trainer.errors import USER_ERRORS
+from trainer.noise import for_run as noise_for_run
 from trainer.provenance import rank_hosts
 from trainer.rundir import configure_logging
 from trainer.step import StepGuard, clocked, phase, train_step
@@ -126,6 +127,7 @@ class TrainBench:
         self.accumulation = engine.gradient_accumulation_steps()
         self.micro = engine.train_micro_batch_size_per_gpu()
         self.guard = StepGuard(cfg.faults, engine.device, stop=None)  # the trainer's agreement on each step, if any
+        self.noise, self.pieces, _ = noise_for_run(engine, asked=cfg.noise_scale)  # the trainer's measurement too
         self.loss_fn = build_loss(cfg)
         # the training loader only: the benchmark validates nothing
         self.train_loader = data.train_loader(
@@ -165,6 +167,9 @@ class TrainBench:
             loss_fn=self.loss_fn,
             guard=self.guard,
             where=lambda index: f"step {engine.global_steps}",
+            noise=self.noise,
+            pieces=self.pieces,
+            reduction=self.setup.reduction,
         )
         return result.data_wait_s
 
@@ -242,6 +247,8 @@ class TrainBench:
             }.items():
                 times = [ms for marks in all_marks for ms in marks.phase_ms(phase_name)]
                 record[f"{name}_ms_p50"] = statistics.median(times)
+            waits = [ms for marks in all_marks for ms in marks.phase_ms("reduce_wait")]  # the overlapped reduction's
+            record["reduce_wait_ms_p50"] = statistics.median(waits) if waits else None
         if self.cuda:
             record.update(mem_peak_gib=device_peak_gib, mem_kind="device")
         else:
@@ -325,6 +332,10 @@ def measure(argv: list[str] | None) -> None:
                     "compile": cfg.compile,
                     "compile_mode": cfg.compile_mode,
                     "nonfinite_loss": cfg.nonfinite_loss,
+                    "gradient_reduction": cfg.gradient_reduction if setup.reduction is not None else "deepspeed",
+                    "reduce_bucket_mb": cfg.reduce_bucket_mb if setup.reduction is not None else None,
+                    "noise_scale": bench.noise is not None,
+                    "noise_pieces": bench.pieces,  # 2: each micro-batch split in two for the noise scale
                 },
                 "zero": setup.ds_config.get("zero_optimization", {}),
                 "optimizer": "Adam" if mode == "plain" else type(engine.basic_optimizer).__name__,  # plain: torch's

@@ -61,18 +61,23 @@ class DrawPlan:
     rotate: bool
     validation: bool = False
     first_index: int = 0
+    interleave: int = 1  # training batches from this many streams in turn: batch b is batch b // n of seed + b % n
 
     @property
     def num_batches(self) -> int:
         return -(-self.num_samples // self.batch_size)
 
     def batch_draws(self, epoch: int, batch: int) -> list[SampleDraw]:
-        start = batch * self.batch_size
-        indices = range(start, min(start + self.batch_size, self.num_samples))
         if self.validation:
+            start = batch * self.batch_size
+            indices = range(start, min(start + self.batch_size, self.num_samples))
             return [val_draw(self.seed, self.first_index + i, self.box_size, crop_size=self.crop_size) for i in indices]
+        stream, batch = batch % self.interleave, batch // self.interleave
+        start = batch * self.batch_size
+        indices = range(start, min(start + self.batch_size, self.num_samples // self.interleave))
+        seed = self.seed + stream
         return [
-            train_draw(self.seed, epoch, i, box_size=self.box_size, crop_size=self.crop_size, rotate=self.rotate)
+            train_draw(seed, epoch, i, box_size=self.box_size, crop_size=self.crop_size, rotate=self.rotate)
             for i in indices
         ]
 

@@ -9,6 +9,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from tests.conftest import REPO, run_train, shared_tiny_args, single_process_env
 
@@ -105,9 +106,15 @@ def _files(directory):
 
 def test_zero_stages_train_like_stage_0_and_resume_on_as_many_ranks(tmp_path):
     """ZeRO stages 1 and 2 (ds_configs/ds_fp16_zero*.json; fp32 on a CPU) split the optimizer over the ranks and
-    end on stage 0's weights, bit for bit. A stopped stage-2 run resumes exactly on its 2 ranks; on 1 rank it is
-    one clear line (DeepSpeed cannot split its optimizer states anew), and the checkpoint is left as it was."""
-    runs = {stage: tmp_path / f"zero{stage}" for stage in (0, 1, 2)}
+    end on stage 0's weights, bit for bit; so does stage 0 with its reduction overlapped with backward in small
+    buckets, stopped and resumed with DeepSpeed's own reduction. A stopped stage-2 run resumes exactly on its 2
+    ranks; on 1 rank it is one clear line (DeepSpeed cannot split its optimizer states anew), the checkpoint kept."""
+    runs = {stage: tmp_path / f"zero{stage}" for stage in (0, 1, 2, "overlapped")}
+    overlapped = ["--gradient_reduction", "overlapped", "--reduce_bucket_mb", "0.002", "--stop_after_epoch", "2"]
+    _launch_two_ranks(
+        shared_tiny_args(tmp_path, runs["overlapped"], "--num_epochs", "3", *overlapped, data="dist-data")
+    )
+    _launch_two_ranks(["--run_dir", str(runs["overlapped"]), "--resume", "--gradient_reduction", "after_backward"])
     zero_json = {1: "ds_configs/ds_fp16_zero1.json", 2: "ds_configs/ds_fp16_zero2.json"}
     _launch_two_ranks(shared_tiny_args(tmp_path, runs[0], "--num_epochs", "3", data="dist-data"))
     _launch_two_ranks(
@@ -123,11 +130,35 @@ def test_zero_stages_train_like_stage_0_and_resume_on_as_many_ranks(tmp_path):
     assert _files(runs[2] / "checkpoints") == checkpoints
     _launch_two_ranks(["--run_dir", str(runs[2]), "--resume"])
     summaries = {stage: _summary(run) for stage, run in runs.items()}
-    assert [s["zero_stage"] for s in summaries.values()] == [0, 1, 2]
+    assert [s["zero_stage"] for s in summaries.values()] == [0, 1, 2, 0]
     assert summaries[2]["resumed_from"] == {"epoch": 2, "batch_in_epoch": 0} and summaries[2]["steps"] == 48
     weights = {stage: s["rank_weight_digests"] for stage, s in summaries.items()}
     assert weights[0][0] == weights[0][1] and weights[1] == weights[0] and weights[2] == weights[0]
+    assert weights["overlapped"] == weights[0] and summaries["overlapped"]["steps"] == 48
     assert summaries[0]["final_val_loss"] < summaries[0]["initial_val_loss"]
+
+
+def test_accumulation_is_the_mathematics_of_more_ranks(tmp_path):
+    """One rank accumulating 4 micro-batches drawn as 4 ranks would draw them (accumulate_as_ranks) ends where 4 ranks
+    end, to float rounding: what a global batch larger than the ranks at hand learns is what more ranks learn."""
+    short = ["--num_epochs", "1", "--Nsamples", "64", "--checkpoint_keep", "1"]
+    ranks, accumulated = tmp_path / "ranks", tmp_path / "accumulated"
+    result = _run([*DEEPSPEED, "--num_gpus", "4", "ds_train.py", *shared_tiny_args(tmp_path, ranks, *short)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    options = [*short, "--micro_batch_size", "2", "--accumulate_as_ranks", "true"]
+    result = run_train(shared_tiny_args(tmp_path, accumulated, *options))
+    assert result.returncode == 0, result.stderr[-3000:]
+    by_ranks, by_accumulation = _summary(ranks), _summary(accumulated)
+    assert (by_ranks["world_size"], by_ranks["accumulation"]) == (4, 1)
+    assert (by_accumulation["world_size"], by_accumulation["micro_batch"], by_accumulation["accumulation"]) == (1, 2, 4)
+    weights = [
+        torch.load(next((run / "checkpoints").glob("step*/mp_rank_00_model_states.pt")), weights_only=False)["module"]
+        for run in (ranks, accumulated)
+    ]
+    for name, tensor in weights[0].items():
+        assert torch.allclose(tensor, weights[1][name], rtol=1e-4, atol=1e-6), name
+    assert by_accumulation["final_val_loss"] == pytest.approx(by_ranks["final_val_loss"], rel=1e-4)
+    assert by_ranks["final_val_loss"] < by_ranks["initial_val_loss"]
 
 
 def test_a_dead_rank_ends_the_job_promptly(tmp_path):
@@ -306,12 +337,6 @@ def _stop_on_the_time_limit_signal(env, tmp_path, job):
     assert (state, exit_code) == ("COMPLETED", "0:0"), log[-3000:]
     assert "requeueing job" in log and "(restart 1)" in log and "--resume" in log
     return _summary(tmp_path / "runs" / f"cosmo-emulator-{job}")
-
-
-def test_sbatch_stops_on_the_time_limit_signal_and_requeues_itself(slurm, tmp_path):
-    job = _sbatch(slurm, tmp_path, {"LAUNCHER": "srun"}, *_job_args(tmp_path, 4))
-    summary = _stop_on_the_time_limit_signal(slurm, tmp_path, job)
-    assert summary["finished"] and summary["resumed_from"] is not None and summary["steps"] == 64
 
 
 def test_a_save_failing_on_one_rank_ends_every_rank_at_once(tmp_path):

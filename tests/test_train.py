@@ -72,6 +72,22 @@ def test_training_learns_and_leaves_a_complete_run_dir(straight):
     assert "validation loss" in (straight / "train.log").read_text()
 
 
+def test_every_log_point_says_the_critical_batch(straight):
+    """One rank without accumulation: each micro-batch is split in two to measure the gradient noise scale, which
+    every log point gives (TensorBoard, metrics.jsonl, the console) and the summary keeps."""
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "loss/train" in r]
+    assert all(r["noise/b_simple"] > 0 and r["noise/trace_sigma"] > 0 for r in trained[1:])
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["noise_scale"]["b_simple"] == trained[-1]["noise/b_simple"]
+    (events,) = (straight / "tensorboard").iterdir()
+    acc = EventAccumulator(str(events.parent))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("noise/b_simple")] == [r["step"] for r in trained if "noise/b_simple" in r]
+    log = (straight / "train.log").read_text()
+    assert "noise scale: from the halves of each micro-batch of 8" in log and ", critical batch ~ " in log
+
+
 def test_resume_continues_exactly(tmp_path, straight):
     run = tmp_path / "run"
     first = json.loads(
@@ -212,7 +228,12 @@ def test_bf16_on_cpu(tmp_path):
 
 
 def test_profile_records_a_trace_of_the_step_phases(tmp_path):
-    _ok(run_train(shared_tiny_args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--profile")))
+    # one forward a step: no micro-batch split in two for the noise scale
+    _ok(
+        run_train(
+            shared_tiny_args(tmp_path, tmp_path / "run", "--num_epochs", "1", "--profile", "--noise_scale", "false")
+        )
+    )
     traces = list((tmp_path / "run" / "profile").glob("rank0*.pt.trace.json*"))
     assert len(traces) == 1, sorted(p.name for p in (tmp_path / "run").rglob("*"))
     events = json.loads(traces[0].read_text())["traceEvents"]

@@ -25,6 +25,7 @@ from trainer.engine import engine_config, skip_single_rank_reduction, train_dtyp
 from trainer.errors import ConfigError
 from trainer.fused_adam import TORCH_FUSED_ADAM
 from trainer.lr_schedule import Schedule, make_schedule, warmup_applies
+from trainer.reduction import OverlappedReduction
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class EngineSetup:
     dtype: torch.dtype  # of the batches the engine trains on
     parameters: int
     steps_per_epoch: int
+    reduction: OverlappedReduction | None = None  # gradient_reduction: overlapped, where it applies
 
 
 def set_cudnn(cfg: Config, device_type: str) -> None:
@@ -85,6 +87,31 @@ def set_cudnn(cfg: Config, device_type: str) -> None:
         torch.backends.cudnn.benchmark_limit = cfg.cudnn_benchmark_limit
     else:
         log.warning("cudnn_benchmark_limit has no effect with cudnn_benchmark: false")
+
+
+def overlapped_reduction(cfg: Config, engine: Any) -> OverlappedReduction | None:
+    """``gradient_reduction: overlapped`` where it can take effect: stage 0 on several ranks (else one warning)."""
+    if cfg.gradient_reduction != "overlapped":
+        if cfg.reduce_bucket_mb != 25.0:
+            log.warning("reduce_bucket_mb has no effect without gradient_reduction: overlapped")
+        return None
+    if engine.zero_optimization():
+        log.warning(
+            "gradient_reduction: overlapped has no effect under ZeRO stage %d (its own reduction)",
+            engine.zero_optimization_stage(),
+        )
+        return None
+    if engine.dp_world_size == 1:
+        log.info("gradient_reduction: overlapped: one rank, nothing to reduce")
+        return None
+    element = next(engine.module.parameters()).element_size()
+    reduction = OverlappedReduction(engine, bucket_elements=int(cfg.reduce_bucket_mb * 2**20 / element))
+    log.info(
+        "gradient reduction: overlapped with backward, %d bucket(s) of up to %g MiB (a larger weight goes alone)",
+        len(reduction.buckets),
+        cfg.reduce_bucket_mb,
+    )
+    return reduction
 
 
 def build_engine(cfg: Config, dist: DistEnv, device: Device) -> EngineSetup:
@@ -126,6 +153,7 @@ def build_engine(cfg: Config, dist: DistEnv, device: Device) -> EngineSetup:
         ) from None
     schedule.follow(engine)  # steps skipped for overflow count: the schedule is at the engine's step
     skip_single_rank_reduction(engine)
+    reduction = overlapped_reduction(cfg, engine)
     if cfg.compile:  # torch.compile of the module, through the engine (compiled on the first step)
         engine.compile(compile_kwargs={} if cfg.compile_mode == "default" else {"mode": cfg.compile_mode})
     elif cfg.compile_mode != "default":
@@ -138,6 +166,7 @@ def build_engine(cfg: Config, dist: DistEnv, device: Device) -> EngineSetup:
         dtype=train_dtype(engine),
         parameters=parameters,
         steps_per_epoch=steps_per_epoch,
+        reduction=reduction,
     )
 
 

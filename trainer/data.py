@@ -150,8 +150,10 @@ class RunData:
     ) -> Any:
         """This rank's training loader, from ``first_batch`` of ``first_epoch``."""
         cfg = self.sampling
+        streams = accumulation if cfg.accumulate_as_ranks else 1  # each a rank's of a run without accumulation
         plan = DrawPlan(
-            seed=cfg.seed + dist.rank,
+            seed=cfg.seed + dist.rank * streams,
+            interleave=streams,
             num_samples=steps_per_epoch * micro * accumulation,
             batch_size=micro,
             box_size=self.train.box_size,

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as torch_dist
 
 from trainer.lr_schedule import Schedule
+from trainer.noise import Estimate, NoiseScale
 from trainer.numerics import LearningWatch
 from trainer.runlog import RunLog
 from trainer.step import StepGuard, StepResult
@@ -44,10 +45,19 @@ class LogPoints:
     """The log points of one run: ``add`` after each step, ``due`` to ask, ``log`` to say; ``rates`` for the summary."""
 
     def __init__(
-        self, engine: Any, *, runlog: RunLog, watch: LearningWatch, schedule: Schedule, guard: StepGuard, every: int
+        self,
+        engine: Any,
+        *,
+        runlog: RunLog,
+        watch: LearningWatch,
+        schedule: Schedule,
+        guard: StepGuard,
+        every: int,
+        noise: NoiseScale | None = None,
     ) -> None:
         self.engine, self.runlog, self.watch, self.schedule, self.guard = engine, runlog, watch, schedule, guard
-        self.every = every
+        self.every, self.noise = every, noise
+        self.noise_estimate: Estimate | None = None  # the last log point's
         self.interval = Interval()
         self.intervals: list[dict[str, float]] = []
 
@@ -83,6 +93,8 @@ class LogPoints:
         rate = interval.steps * engine.train_batch_size() / elapsed
         lr = self.schedule.lr_at(self.schedule.steps_taken)  # what the last step used
         numerics = self.watch.report()
+        if self.noise is not None:
+            self.noise_estimate = self.noise.report() or self.noise_estimate
         values = {
             "loss/train": loss,
             "lr": lr,
@@ -104,14 +116,17 @@ class LogPoints:
             samples=engine.global_steps * engine.train_batch_size(),
             **{"loss/train_per_rank": per_rank},
             **{k: v for k, v in values.items() if v is not None},
+            **(self.noise_estimate.scalars() if self.noise_estimate else {}),
         )
+        critical = self.noise_estimate.b_simple if self.noise_estimate else None
         log.info(
-            "epoch %d step %d: loss %.5f, lr %.3g, %s, %.1f samples/s, %.0f%% waiting for data",
+            "epoch %d step %d: loss %.5f, lr %.3g, %s%s, %.1f samples/s, %.0f%% waiting for data",
             epoch,
             engine.global_steps,
             loss,
             lr,
             numerics.console(),
+            "" if critical is None else f", critical batch ~ {critical:.0f}",
             rate,
             values["data_wait_pct"],
         )

@@ -46,6 +46,20 @@ def weight_digest(weights: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(sums).cpu()
 
 
+def step_gradient_norm(engine: Any) -> torch.Tensor | None:
+    """Between the step's last backward and its optimizer step: the norm of the gradients the optimizer is about to
+    take, unscaled, on the device, where the model's parameters hold them (ZeRO stage 0); else None (ZeRO's partitions,
+    and the gradients bf16's optimizer moved aside, are DeepSpeed's to measure: ``engine.get_global_grad_norm()``)."""
+    if engine.zero_optimization():
+        return None
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+    scale = loss_scale(engine)
+    return norm if scale is None else norm / scale
+
+
 @dataclass(kw_only=True)
 class Report:
     """What one log point says about the steps since the last one."""
@@ -64,9 +78,9 @@ class Report:
 
 
 class LearningWatch:
-    """Watches one engine through a run. ``after_backward`` is called at every micro-step (it measures the gradient
-    norm at accumulation boundaries, on the device); ``report`` at every log point. ``lr_at(step)`` is the learning
-    rate of an optimizer step (1-based), ``peak_lr`` the schedule's largest."""
+    """Watches one engine through a run. ``after_backward`` is called at every step's end with the gradient norm (on
+    the device); ``report`` at every log point. ``lr_at(step)`` is the learning rate of an optimizer step (1-based),
+    ``peak_lr`` the schedule's largest."""
 
     def __init__(self, engine: Any, lr_at: Callable[[int], float], peak_lr: float, *, warn: bool = True) -> None:
         self.engine, self.lr_at, self.peak_lr, self.warn = engine, lr_at, peak_lr, warn
@@ -78,18 +92,10 @@ class LearningWatch:
         self._window_steps = self._window_skipped = 0
         self._warned: set[str] = set()
 
-    def after_backward(self) -> None:
-        """Between backward and the optimizer step: the norm of the gradients the optimizer is about to take, where
-        the model's parameters hold them (ZeRO stage 0; ZeRO's partitions are DeepSpeed's to measure)."""
-        engine = self.engine
-        if engine.zero_optimization() or not engine.is_gradient_accumulation_boundary():
-            return
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        if not grads:
-            return
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
-        scale = loss_scale(engine)
-        self._grad_norm = norm if scale is None else norm / scale
+    def after_backward(self, norm: torch.Tensor | None) -> None:
+        """Between the step's last backward and its optimizer step: ``norm`` is ``step_gradient_norm``'s."""
+        if norm is not None:
+            self._grad_norm = norm
 
     def _last_grad_norm(self) -> float | None:
         if self._grad_norm is not None:

@@ -21,8 +21,11 @@ from model import Loss
 from pipeline.volumes import DataError
 from trainer.config.sections import Faults
 from trainer.errors import NumericalError
-from trainer.loss_scaling import backward
+from trainer.loss_scaling import backward, loss_scale
+from trainer.noise import NoiseScale
+from trainer.numerics import step_gradient_norm
 from trainer.preemption import StopRequest
+from trainer.reduction import OverlappedReduction
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +76,11 @@ def phase(name: str) -> Iterator[None]:
 @dataclass(kw_only=True)
 class StepResult:
     """What one optimizer step did: the losses of its micro-batches that trained (on the device: reading them would
-    synchronize), whether the optimizer stepped (not where every micro-batch was skipped; fp16 may still skip the
-    update for overflow), and the seconds spent waiting for the data."""
+    synchronize), how many were skipped, whether the optimizer stepped (not where every micro-batch was skipped; fp16
+    may still skip the update for overflow), and the seconds spent waiting for the data."""
 
     losses: list[torch.Tensor] = field(default_factory=list)
+    skipped: int = 0
     stepped: bool = False
     data_wait_s: float = 0.0
 
@@ -88,42 +92,65 @@ def train_step(
     loss_fn: Loss,
     guard: StepGuard | None = None,
     where: Callable[[int], str] = lambda index: "this step",
-    after_backward: Callable[[], None] | None = None,
+    after_backward: Callable[[torch.Tensor | None], None] | None = None,
+    noise: NoiseScale | None = None,
+    pieces: int = 1,
+    reduction: OverlappedReduction | None = None,
 ) -> StepResult:
-    """One optimizer step over the engine's accumulation count of micro-batches taken from ``batches``: forward and
-    backward each, the optimizer step after the last, the accumulation boundary said to DeepSpeed explicitly.
+    """One optimizer step over the engine's accumulation count of micro-batches taken from ``batches``, each in
+    ``pieces`` equal parts (a forward and backward each), the optimizer step after the last, the accumulation boundary
+    said to DeepSpeed explicitly.
 
-    A micro-batch the ``guard`` skips (a non-finite loss, skipped on every rank alike; ``where(index)`` names it)
+    A part the ``guard`` skips (a non-finite loss, skipped on every rank alike; ``where(index)`` names its micro-batch)
     adds no gradient: where it is the last, a backward of zero keeps the boundary's reduction; where every one is
-    skipped, no optimizer step is taken. ``after_backward()`` sees the step's gradients before the optimizer does.
+    skipped, no optimizer step is taken. ``after_backward(norm)`` sees the step's gradient norm (``step_gradient_norm``)
+    before the optimizer takes them; ``noise`` measures each part's gradient and the step's; ``reduction`` all-reduces
+    the gradients during the last backward, waited for before the optimizer step.
     """
     accumulation = engine.gradient_accumulation_steps()
-    result = StepResult()
+    measure = noise is not None or after_backward is not None
+    result, norm = StepResult(), None
     for index in range(accumulation):
-        last = index == accumulation - 1
         waited = time.perf_counter()  # time blocked on the pipeline: what it costs the step
         with phase("data_wait"):
             batch = next(batches, None)
         result.data_wait_s += time.perf_counter() - waited
         if batch is None:
             raise RuntimeError(f"the batches ended {accumulation - index} micro-batch(es) short of a whole step")
-        inputs, targets = batch
-        engine.set_gradient_accumulation_boundary(last)
-        with phase("forward"):
-            loss = loss_fn(engine(inputs), targets)
-        if guard is not None and not guard.allows(loss, inputs, targets, where=lambda i=index: where(i)):
-            if not (last and result.losses):
-                continue
-            loss = None  # the step's gradients are the earlier micro-batches'
-        with phase("backward"):
-            backward(engine, _zero_loss(engine) if loss is None else loss)  # fp16's loss scale applied once
-        if last and after_backward is not None:
-            after_backward()
-        with phase("optimizer_step"):
-            engine.step()  # at the boundary the optimizer step, else a micro-step counted
-        if loss is not None:
-            result.losses.append(loss.detach())
-        result.stepped = last
+        for part, (inputs, targets) in enumerate(zip(*(b.chunk(pieces) for b in batch), strict=True)):
+            last = index == accumulation - 1 and part == pieces - 1
+            engine.set_gradient_accumulation_boundary(last)
+            with phase("forward"):
+                loss = loss_fn(engine(inputs), targets)
+            if guard is not None and not guard.allows(loss, inputs, targets, where=lambda i=index: where(i)):
+                result.skipped += 1
+                if not (last and result.losses):
+                    continue
+                loss = None  # the step's gradients are the earlier parts'
+            if reduction is not None:
+                reduction.start(boundary=last)
+            with phase("backward"):
+                if loss is None:
+                    backward(engine, _zero_loss(engine))
+                else:
+                    scale = (loss_scale(engine) or 1.0) / (accumulation * pieces)  # the gradients' factor
+                    with noise.micro_batch(scale) if noise is not None else contextlib.nullcontext():
+                        backward(engine, loss / pieces if pieces > 1 else loss)  # fp16's loss scale applied once
+            if last and reduction is not None:
+                with phase("reduce_wait"):
+                    reduction.finish()
+            if last and measure:
+                norm = step_gradient_norm(engine)
+                if after_backward is not None:
+                    after_backward(norm)
+            with phase("optimizer_step"):
+                engine.step()  # at the boundary the optimizer step, else a micro-step counted
+            if loss is not None:
+                result.losses.append(loss.detach())
+            result.stepped = last
+    if noise is not None:
+        applied = result.stepped and not result.skipped and engine.was_step_applied()
+        noise.step_done(norm if norm is not None else engine.get_global_grad_norm(), applied=applied)
     return result
 
 

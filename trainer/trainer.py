@@ -28,6 +28,7 @@ from trainer.dist import Device, DistEnv, device_name
 from trainer.errors import DistError, out_of_memory
 from trainer.logpoint import LogPoints
 from trainer.loss_scaling import loss_scale
+from trainer.noise import for_run as noise_for_run
 from trainer.numerics import LearningWatch
 from trainer.preemption import StopRequest
 from trainer.profiling import StepProfiler
@@ -93,6 +94,8 @@ class Trainer:
         )
         self.val_loader = self.data.val_loader(dist, micro, device, dtype=self.dtype)
         self.runlog = RunLog(run.path, enabled=dist.is_main, resumed_step=self.engine.global_steps if resume else None)
+        self.noise, self.pieces, said = noise_for_run(self.engine, asked=cfg.noise_scale)
+        log.info("%s", said)
         self.logs = LogPoints(
             self.engine,
             runlog=self.runlog,
@@ -100,6 +103,7 @@ class Trainer:
             schedule=self.schedule,
             guard=self.guard,
             every=cfg.log_every_steps,
+            noise=self.noise,
         )
         self.first_batch_digest: str | None = None
         self.profiler: StepProfiler | None = None
@@ -232,6 +236,7 @@ class Trainer:
             "nonfinite_losses": self.guard.nonfinite_losses,
             "wall_s": round(wall_s, 3),
             **self.logs.rates(),
+            "noise_scale": vars(self.logs.noise_estimate) if self.logs.noise_estimate else None,
             **run_facts(self.setup, self.data, self.dist),
             "launched_by": self.dist.source,
             "device": device_name(self.device),
@@ -265,6 +270,9 @@ class Trainer:
                 guard=self.guard,
                 where=self._where,
                 after_backward=self.watch.after_backward,
+                noise=self.noise,
+                pieces=self.pieces,
+                reduction=self.setup.reduction,
             )
             self.batch_in_epoch += self.accumulation
             if self.profiler is not None:

@@ -48,6 +48,7 @@ class Sampling:
     validation samples."""
 
     seed: int
+    accumulate_as_ranks: bool
     data_size: int
     rotate: bool
     N_in_channels: int

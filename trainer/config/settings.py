@@ -1,15 +1,15 @@
 """The settings of an experiment: every config key with its type, default, help and checks, in one dataclass.
 
 Keys are the reference's where it had them (``RENAMED`` says where its others went). What the data path leaves a key
-unused for, whether a resumed run may change it and whether it names a file are stated beside it (``_field``).
+unused for, whether a resumed run may change it and whether it names a file are stated beside it (``_field``:
+``trainer.config.fields.key``).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pipeline.backends import AUTO as BACKEND_AUTO
@@ -18,43 +18,13 @@ from pipeline.rotations import check_vector_groups
 from pipeline.storage import AUTO as STORAGE_AUTO
 from pipeline.storage import STORAGES
 from pipeline.synthetic import SyntheticSpec
+from trainer.config.fields import key as _field
 from trainer.config.sections import Checkpointing, Faults, Sampling, Science, section
 from trainer.errors import ConfigError
 
-Bound = Literal["positive", "non-negative"]
 # The names a config may give: pipeline.storage's modes and pipeline.backends' backends, each with its ``auto``.
 StorageName = Literal[(STORAGE_AUTO, *STORAGES)]
 BackendName = Literal[(BACKEND_AUTO, *BACKENDS)]
-# Which storage modes, backends and devices leave a data key unused: (cfg, effective StorageMode, backend, device type).
-Unused = typing.Callable[["Config", str, str, str], bool]
-
-
-def _field(
-    default: Any,
-    help: str,
-    *,
-    bound: Bound | None = None,
-    path: Literal["hdf5", "npy", "file"] | None = None,
-    resumable: bool = False,
-    tunable: bool = False,
-    unused: Unused | None = None,
-) -> Any:
-    """A config key and what is known about it: its ``help``; the ``bound`` its value must respect (unless null);
-    that it names a file (``path``: read with that data_format, or any file), so that ${VAR} in it is expanded; that
-    a resumed run may change it without changing what it learns (``resumable``: where data and logs go, how fast
-    the input pipeline runs, how often it logs and checks); that it says how the work is done, never what is
-    computed, so that ``bench.tune`` may change it (``tunable``); and when the data path leaves it ``unused``."""
-    metadata = {
-        "help": help,
-        "bound": bound,
-        "path": path,
-        "resumable": resumable,
-        "tunable": tunable,
-        "unused": unused,
-    }
-    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass(kw_only=True)
@@ -221,6 +191,20 @@ class Config:
     )
     lr_schedule: LRSchedule = _field(LRSchedule(), "learning-rate schedule")
     deepspeed_config: str = _field("ds_configs/ds_fp16.json", "DeepSpeed JSON: precision, optimizer, ZeRO", path="file")
+    gradient_reduction: Literal["after_backward", "overlapped"] = _field(
+        "after_backward",
+        "ZeRO stage 0's gradient all-reduce over the ranks: DeepSpeed's own after backward, or overlapped with "
+        "backward in buckets launched as the gradients come (stage 0 only; ZeRO stages reduce their own way)",
+        resumable=True,
+        tunable=True,
+    )
+    reduce_bucket_mb: float = _field(
+        25.0,
+        "with gradient_reduction: overlapped, the gradients per all-reduce (a weight larger than it goes alone)",
+        bound="positive",
+        resumable=True,
+        tunable=True,
+    )
     deepspeed_overrides: dict = _field(
         {},
         "settings merged into that JSON, mapping by mapping: {zero_optimization: {reduce_bucket_size: 200000000}}",
@@ -269,8 +253,21 @@ class Config:
         tunable=True,
     )
     seed: int = _field(0, "base seed: model init, and crops (each rank draws with seed + global rank)")
+    accumulate_as_ranks: bool = _field(
+        False,
+        "draw each accumulated micro-batch as a rank of its own would (micro-batch k of a step on rank r is what rank "
+        "r x accumulation + k draws without accumulation): a run with accumulation sees the samples of one with that "
+        "many more ranks",
+    )
     # Logging and checkpoints
     log_every_steps: int = _field(20, "optimizer steps between log points", bound="positive", resumable=True)
+    noise_scale: bool = _field(
+        True,
+        "measure the gradient noise scale (the critical batch, B_simple) at every log point, from each rank's and "
+        "each accumulated micro-batch's gradient against the step's; with one rank and no accumulation each "
+        "micro-batch is split in two for it (docs/training.md, Large batches)",
+        resumable=True,
+    )
     checkpoint_keep: int = _field(
         3,
         "checkpoints kept in the run directory (the newest ones, whichever cadence saved them)",

@@ -1,0 +1,78 @@
+"""The gradient noise scale: its estimator against a problem whose noise scale is known exactly (least squares with
+Gaussian inputs), measured through the training step itself, with accumulation and with a micro-batch split in two."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, single_process_env
+from trainer.noise import estimates
+
+LEAST_SQUARES = """
+import json, sys, torch, deepspeed
+from tests.conftest import REPO
+from trainer.dist import DistEnv, init_distributed
+from trainer.engine import BatchPlan, load_ds_template, resolve_ds_config, skip_single_rank_reduction
+from trainer.noise import NoiseScale
+from trainer.step import train_step
+
+micro, accumulation, pieces, steps = (int(a) for a in sys.argv[1:5])
+device = init_distributed(DistEnv.from_environ(), 60.0)
+config = resolve_ds_config(
+    load_ds_template(REPO / "ds_configs" / "ds_fp32.json"), BatchPlan(micro, accumulation, 1), 0.0, device_type="cpu"
+)
+gen = torch.Generator().manual_seed(0)
+d, sigma = 16, 0.5
+w_star = torch.randn(d, generator=gen)
+delta = torch.randn(d, generator=gen) / d**0.5
+net = torch.nn.Linear(d, 1, bias=False)
+with torch.no_grad():
+    net.weight.copy_(w_star + delta)
+engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)  # lr 0: w stays
+skip_single_rank_reduction(engine)
+noise = NoiseScale(engine.module, small=micro // pieces, big=micro * accumulation, device=engine.device)
+loss_fn = lambda out, y: 0.5 * (out.squeeze(-1) - y).square().mean()
+
+def batches():
+    while True:
+        x = torch.randn(micro, d, generator=gen)
+        yield x, x @ w_star + sigma * torch.randn(micro, generator=gen)
+
+stream = batches()
+for _ in range(steps):
+    train_step(engine, stream, loss_fn=loss_fn, noise=noise, pieces=pieces)
+estimate = noise.report()
+g2 = float(delta.square().sum())
+# per-sample gradient (delta.x - sigma eps) x: G = delta, tr(Sigma) = d (|delta|^2 + sigma^2) + |delta|^2
+print(json.dumps({"b_simple": estimate.b_simple, "exact": (d * (g2 + sigma**2) + g2) / g2, "unchanged": bool(
+    torch.equal(engine.module.weight.detach().squeeze(0), w_star + delta))}))
+"""
+
+
+def _measure(micro: int, accumulation: int, pieces: int, steps: int = 300) -> dict:
+    command = [sys.executable, "-c", LEAST_SQUARES, *map(str, (micro, accumulation, pieces, steps))]
+    result = subprocess.run(command, cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "micro, accumulation, pieces", [(4, 8, 1), (8, 1, 2)], ids=["accumulated micro-batches", "halves"]
+)
+def test_the_noise_scale_of_least_squares_is_the_exact_one(micro, accumulation, pieces):
+    measured = _measure(micro, accumulation, pieces)
+    assert measured["unchanged"]  # learning rate 0: every step measures the same weights
+    assert measured["b_simple"] == pytest.approx(measured["exact"], rel=0.2)
+
+
+def test_the_estimates_undo_the_batch_sizes():
+    """|G|^2 and tr(Sigma) from squared norms that follow E|g_B|^2 = |G|^2 + tr(Sigma) / B exactly."""
+    grad_sq, trace = 2.0, 48.0
+    small, big = 4, 32
+    assert estimates(grad_sq + trace / small, grad_sq + trace / big, small=small, big=big) == pytest.approx(
+        (grad_sq, trace)
+    )
