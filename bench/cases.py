@@ -77,6 +77,7 @@ SWEEPS: dict[str, Sweep] = {
     "weak": Sweep(scaling=True, repeated=True),
     "strong": Sweep(scaling=True, repeated=True),
     **{f"weak-zero{stage}": Sweep(scaling=True, repeated=True) for stage in (0, 1, 2)},
+    **{f"weak-overlapped{mb}": Sweep(scaling=True, repeated=True) for mb in (25, 100)},
     "zero2-settings": Sweep(repeated=True),
 }
 

@@ -40,6 +40,10 @@ def interleave_repeats(cases: list[TrainCase], sweeps: tuple[str, ...], repeats:
     return once + [replace(c, repeat=r) for r, c in rounds([c for c in cases if c.sweep in sweeps], repeats)]
 
 
+def _overlapped(bucket_mb: int) -> list[str]:
+    return ["--gradient_reduction", "overlapped", "--reduce_bucket_mb", str(bucket_mb)]
+
+
 def _batch(micro: int, ranks: int) -> list[str]:
     return ["--global_batch_size", str(micro * ranks), "--base_batch_size", str(micro * ranks)]
 
@@ -242,25 +246,36 @@ ZERO2_SETTINGS = {
 
 
 def gpu_comm(max_ranks: int) -> tuple[list[str], list[TrainCase]]:
-    """Weak scaling with ZeRO stage 0 (all-reduce after backward), 1 and 2 (overlapped reduction); then, at the
-    most ranks, ZeRO 2's bucket sizes and overlap against ds_fp16_zero2.json's own (5e7, overlapped)."""
+    """Weak scaling with ZeRO stage 0 (all-reduce after backward), stage 0 with its reduction overlapped with backward
+    (two bucket sizes), 1 and 2 (overlapped reduction); then, at the most ranks, ZeRO 2's bucket sizes and overlap
+    against ds_fp16_zero2.json's own (5e7, overlapped). One GPU has nothing to compare."""
+    if max_ranks < 2:
+        sys.exit("the gpu-comm preset compares reductions over several GPUs: this machine has one")
     base, _ = gpu(max_ranks)
     ranks = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max_ranks]
-    configs = {0: "ds_configs/ds_fp16.json", 1: "ds_configs/ds_fp16_zero1.json", 2: "ds_configs/ds_fp16_zero2.json"}
+    stage0 = ["--deepspeed_config", "ds_configs/ds_fp16.json"]
+    variants = {
+        "zero0": ("ZeRO 0", stage0),
+        **{
+            f"overlapped{mb}": (f"ZeRO 0 overlapped, {mb} MiB buckets", [*stage0, *_overlapped(mb)]) for mb in (25, 100)
+        },
+        "zero1": ("ZeRO 1", ["--deepspeed_config", "ds_configs/ds_fp16_zero1.json"]),
+        "zero2": ("ZeRO 2", ["--deepspeed_config", "ds_configs/ds_fp16_zero2.json"]),
+    }
     cases = [
         TrainCase(
-            sweep=f"weak-zero{stage}",
-            label=f"{n} rank(s), micro 64, ZeRO {stage}",
+            sweep=f"weak-{key}",
+            label=f"{n} rank(s), micro 64, {what}",
             ranks=n,
             modes=["synthetic"],
-            options=_batch(64, n) + ["--deepspeed_config", json_path],
+            options=_batch(64, n) + options,
         )
-        for stage, json_path in configs.items()
+        for key, (what, options) in variants.items()
         for n in ranks
     ]
     n = ranks[-1]
     if n > 1:
-        zero2 = _batch(64, n) + ["--deepspeed_config", configs[2], "--deepspeed_overrides"]
+        zero2 = _batch(64, n) + [*variants["zero2"][1], "--deepspeed_overrides"]
         cases += [
             TrainCase(
                 sweep="zero2-settings",

@@ -309,6 +309,14 @@ def test_every_case_of_a_preset_is_a_valid_run(preset, tmp_path, monkeypatch):
         assert settings["bucket 5e8"]["reduce_bucket_size"] == 500_000_000
         assert settings["no overlap"]["overlap_comm"] is False
         assert settings["bucket 5e8"]["stage"] == 2 and settings["no overlap"]["reduce_bucket_size"] == 50_000_000
+        overlapped = {
+            c.label: cfg
+            for c, (_, cfg, _) in zip(cases, check_cases(base, cases, sweep, device_type=device), strict=True)
+            if c.sweep == "weak-overlapped25"
+        }
+        assert overlapped and all(
+            c.gradient_reduction == "overlapped" and c.reduce_bucket_mb == 25 for c in overlapped.values()
+        )
 
 
 def test_a_time_limited_gpu_speed_sweep_measures_the_plain_paths_first_on_data_written_before_it(tmp_path, monkeypatch):
@@ -382,3 +390,8 @@ def test_results_cut_short_keep_their_whole_records_and_a_missing_file_is_one_li
             report_main(["--results", str(tmp_path / name)])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and "error: " in err and message.format(tmp_path / name) in err
+
+
+def test_the_comm_preset_says_one_gpu_has_nothing_to_compare():
+    with pytest.raises(SystemExit, match="compares reductions over several GPUs: this machine has one"):
+        PRESETS["gpu-comm"](1)
