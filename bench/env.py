@@ -22,21 +22,52 @@ APPEND_WAIT_S = 120.0  # an append takes milliseconds: a holder for longer is st
 
 def append_records(path: Path, records: list[dict[str, Any]]) -> None:
     """Append one JSON line per record, starting on a line of its own after a record cut short (a run killed
-    while writing it), so that the fragment never swallows the next record. Benchmarks appending to one file at
-    once take turns (a hold on the file), so that their records never interleave, on a shared file system too."""
+    while writing it), so that the fragment never swallows the next record; only to a results file of the project's.
+    Benchmarks appending to one file at once take turns (a hold on the file), so that their records never
+    interleave, on a shared file system too."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    kept = "".join(json.dumps(r) + "\n" for r in records)
     try:
         hold = hold_file(path, "stop it if it is stuck", wait_s=APPEND_WAIT_S)
     except HeldError as err:
-        print("".join(json.dumps(r) + "\n" for r in records), end="")  # the records, kept on stdout
+        print(kept, end="")  # the records, kept on stdout
         _fail(f"{err}; the records above were not appended (waited {APPEND_WAIT_S:g} s)")
-    with hold, path.open("ab+") as f:
+    with hold:
+        if path.exists() and not _records_file(path):  # records say what they are: no mark beside them
+            print(kept, end="")
+            _fail(f"{path} is not a results file of this project: the records above were not appended; choose another")
+        _append(path, kept)
+
+
+def _records_file(path: Path) -> bool:
+    """Whether ``path`` holds benchmark records only (one JSON object with a "bench" key a line; the last may be
+    cut short): a results file written before marks existed."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    lines = text.splitlines()
+    complete = lines if text.endswith("\n") else lines[:-1]
+    if len(complete) < len(lines) and not lines[-1].startswith("{"):
+        return False
+    for line in filter(str.strip, complete):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return False
+        if not isinstance(record, dict) or "bench" not in record:
+            return False
+    return True
+
+
+def _append(path: Path, text: str) -> None:
+    with path.open("ab+") as f:
         f.seek(0, os.SEEK_END)
         if f.tell() > 0:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 f.write(b"\n")
-        f.write("".join(json.dumps(r) + "\n" for r in records).encode())
+        f.write(text.encode())
 
 
 def _fail(message: str) -> NoReturn:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common.hold import hold_directory, hold_file
+from common.outputs import MARK
 from model import UNet, figures
 from model.emulator import Emulator, EmulatorSpec, export, from_run_dir, from_weights
 from model.emulator import main as export_main
@@ -60,11 +61,15 @@ def test_periodic_windows_wrap_around():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny model trained for two epochs: its mapping is local, and crop faces are where it errs."""
+    """A tiny model trained for two epochs: its mapping is local, and crop faces are where it errs. Its run directory
+    holds a file of the user's, which the run, told to write beside it, leaves as it was."""
     root = tmp_path_factory.mktemp("trained")
     data, run = root / "data", root / "run"
-    result = run_train(tiny_args(data / "train.h5", data / "val.h5", run, "--num_epochs", "2"))
+    run.mkdir()
+    (run / "notes.txt").write_text("the user's")
+    result = run_train(tiny_args(data / "train.h5", data / "val.h5", run, "--num_epochs", "2", "--beside"))
     assert result.returncode == 0, result.stderr[-2000:]
+    assert (run / "notes.txt").read_text() == "the user's"
     return {"run": run, "train": data / "train.h5", "val": data / "val.h5"}
 
 
@@ -330,7 +335,7 @@ def test_export_never_replaces_a_file_unasked_and_bad_sources_are_one_line(train
     assert export_main(["--run_dir", str(run), "--out", str(out)]) == 2
     assert f"{out} exists: --overwrite replaces it" in capsys.readouterr().err and out.stat().st_mtime_ns == stamp
     assert export_main(["--run_dir", str(run), "--out", str(out), "--overwrite"]) == 0
-    assert [p.name for p in tmp_path.iterdir()] == ["emulator.pt"]  # no partial file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARK, "emulator.pt"]  # no partial file left
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"config": {"unet_width"')
@@ -484,7 +489,8 @@ def test_an_export_that_cannot_be_written_replaces_nothing(trained, tmp_path):
     """A file size limit the export exceeds (SIGXFSZ ignored: the write fails): one line, status 2, the earlier
     export as it was, no partial file left."""
     out = tmp_path / "emulator.pt"
-    out.write_bytes(b"an earlier export")
+    assert export_main(["--run_dir", str(trained["run"]), "--out", str(out)]) == 0
+    earlier = out.read_bytes()
     script = (
         f"trap '' XFSZ; ulimit -f 16; exec {sys.executable} -m model.export --run_dir {trained['run']} --out {out} "
         "--overwrite"
@@ -497,7 +503,7 @@ def test_an_export_that_cannot_be_written_replaces_nothing(trained, tmp_path):
         and lines[0].startswith(f"error: {out}: could not be written (")
         and "nothing was replaced" in lines[0]
     )
-    assert out.read_bytes() == b"an earlier export" and [p.name for p in tmp_path.iterdir()] == ["emulator.pt"]
+    assert out.read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == [MARK, "emulator.pt"]
 
 
 # --- prediction at any size: slabs, ranks, resuming, bounded memory ------------------------------------------------
