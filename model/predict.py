@@ -33,10 +33,11 @@ from common.files import written_atomically
 from common.hold import HeldError, hold_directory
 from common.launch import DistEnv, DistError, start_process_group
 from common.tensors import DTYPES, tensor_digest
+from model.blocks import Timing, predict_blocks
 from model.emulator import Emulator, EmulatorError, from_run_dir, from_weights, latest_run
 from model.figures import phases, slices, spectra
 from model.metrics import Normalization, compare, spectra_table
-from model.tiling import Tiling, Timing, predict_blocks
+from model.tiling import Tiling, default_overlap
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, NBODY_DATASET
 from pipeline.volumes import DataError, open_hdf5, open_npy, read_hdf5
 
@@ -101,7 +102,7 @@ class _SlabFiles:
             self._finish(index)
 
     def _start(self, index: int) -> None:
-        blocks, box = self.slabs[index], self.tiling.box
+        blocks, box = self.slabs[index], self.tiling.shape[0]
         lo, hi = self.tiling.blocks[blocks[0]][0], self.tiling.blocks[blocks[-1]][1]
         final = _slab_path(self.out_dir, index)
         partial = final.with_name(f".{final.name}.partial")
@@ -172,7 +173,7 @@ def predict_file(
         if volume.ndim != 4 or volume.shape[0] != spec.in_channels or len(set(volume.shape[1:])) != 1:
             shape = tuple(volume.shape)
             raise DataError(f"{input_path}: inputs of shape {shape}; the emulator takes ({spec.in_channels}, L, L, L)")
-        tiling = Tiling(box=volume.shape[1], crop=spec.crop_size, overlap=overlap)
+        tiling = Tiling(shape=tuple(volume.shape[1:]), crop=spec.crop_size, overlap=overlap)
         params = _params(emulator, input_path, tiling=tiling, precision=precision, compression=compression)
         slabs = slab_blocks(tiling, per_slab)
         mine = _share(slabs, rank=rank, ranks=ranks)
@@ -181,7 +182,7 @@ def predict_file(
             what = f"{spec.crop_size}^3 tiles, overlap {overlap}, {precision}, on {ranks} rank(s)"
             log.info(
                 "predicting %s (%d^3) with %s: %s; %d slab(s) of %d to do here",
-                *(input_path, tiling.box, emulator.source, what, len(todo), len(mine)),
+                *(input_path, tiling.shape[0], emulator.source, what, len(todo), len(mine)),
             )
         model = emulator.model.to(device=device, dtype=DTYPES[precision])
         timing, start = Timing(), time.perf_counter()
@@ -215,7 +216,7 @@ def _params(emulator: Emulator, input_path: Path, *, tiling: Tiling, precision: 
         {
             "input": [str(input_path.resolve()), stat.st_size, stat.st_mtime_ns],
             "emulator": [emulator.source, weights[:16]],
-            "tiles": [tiling.box, tiling.crop, tiling.overlap],
+            "tiles": [tiling.shape[0], tiling.crop, tiling.overlap],
             "precision": precision,
             "compression": compression,
         },
@@ -226,7 +227,7 @@ def _params(emulator: Emulator, input_path: Path, *, tiling: Tiling, precision: 
 def assemble(out_dir: Path, *, input_path: Path, attrs: dict, tiling: Tiling, channels: int, info: dict) -> Path:
     """``prediction.h5``: one ``Hydro`` dataset over the slab files (a virtual dataset: nothing copied), with the
     input's attributes; written under its final name only once whole."""
-    box = tiling.box
+    box = tiling.shape[0]
     layout = h5py.VirtualLayout(shape=(channels, box, box, box), dtype=np.float32)
     for path in sorted((out_dir / SLABS).glob("slab-*.h5")):
         with read_hdf5(path) as f:
@@ -282,7 +283,7 @@ def run(args: Namespace, dist: DistEnv | None) -> int:
             emulator, default_out = from_run_dir(args.run_dir, args.tag), args.run_dir / "prediction"
         out_dir = args.out or default_out
         (out_dir / SLABS).mkdir(parents=True, exist_ok=True)
-        overlap = emulator.spec.crop_size // 4 if args.overlap is None else args.overlap
+        overlap = default_overlap(emulator.spec.crop_size) if args.overlap is None else args.overlap
         timing = predict_file(
             emulator,
             args.input,
@@ -317,7 +318,7 @@ def _finish(args: Namespace, emulator: Emulator, out_dir: Path, *, overlap: int,
     """Rank 0, once every slab is written: the prediction file, then its metrics where a truth is at hand."""
     try:
         with _opened(args.input, NBODY_DATASET, args.npy_layout) as (volume, attrs):
-            tiling = Tiling(box=volume.shape[1], crop=emulator.spec.crop_size, overlap=overlap)
+            tiling = Tiling(shape=tuple(volume.shape[1:]), crop=emulator.spec.crop_size, overlap=overlap)
         info = {"emulator": emulator.source, "crop": tiling.crop, "overlap": overlap, "precision": args.precision}
         info["ranks"] = timings  # each rank's tiles, rate, and where its time went
         prediction = assemble(

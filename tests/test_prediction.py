@@ -16,11 +16,12 @@ import torch
 from common.hold import hold_directory, hold_file
 from common.outputs import MARK
 from model import UNet, figures
+from model.blocks import predict_volume
 from model.emulator import Emulator, EmulatorSpec, export, from_run_dir, from_weights
 from model.emulator import main as export_main
 from model.metrics import Normalization, _shells, compare, contrast, spectra, spectra_table
 from model.predict import main as predict_main
-from model.tiling import periodic_window, predict_box, tile_starts
+from model.tiling import Axis, Tiling
 from pipeline.convert import main as convert_main
 from pipeline.layout import LOG_DENSITY_SCALE
 from pipeline.synthetic import SyntheticSpec, write_box
@@ -44,19 +45,38 @@ def _smooth_volume(box, seed=0):
     return np.real(np.fft.ifftn(np.fft.fftn(noise, axes=(1, 2, 3)) * kernel, axes=(1, 2, 3))).astype(np.float32) * 5
 
 
+def _predicted(net, volume, *, overlap=4, crop=16, **tiling):
+    """The whole box blended from tiles, as model.predict and the validation's science metrics blend it."""
+    out = np.empty((5, *volume.shape[1:]), np.float32)
+    tiles = Tiling(shape=volume.shape[1:], crop=crop, overlap=overlap, **tiling)
+    predict_volume(net, volume, tiles, out=out, batch=8, device=CPU)
+    return out
+
+
 def test_tiling_reproduces_the_direct_prediction_when_the_box_fits_in_one_crop():
     net, volume = _net(), _smooth_volume(16)
     with torch.no_grad():
         direct = net(torch.from_numpy(volume)[None])[0].numpy()
-    assert np.array_equal(predict_box(net, volume, 5, crop=16, overlap=4, batch=2, device=CPU), direct)
+    assert np.array_equal(_predicted(net, volume, overlap=4), direct)
 
 
-def test_periodic_windows_wrap_around():
-    volume = np.arange(2 * 5**3, dtype=np.float32).reshape(2, 5, 5, 5)
-    window = periodic_window(volume, (3, 4, 0), 4)
-    index = [(3 + i) % 5 for i in range(4)], [(4 + i) % 5 for i in range(4)], list(range(4))
-    assert np.array_equal(window, volume[:, index[0]][:, :, index[1]][:, :, :, index[2]])
-    assert tile_starts(48, 16, 4) == [0, 12, 24, 36] and tile_starts(16, 16, 4) == [0]
+def test_tiles_read_the_box_wrapped_or_mirrored_about_its_faces():
+    """Along a periodic axis the tiles wrap around; along one that is not, they read the mirror image of the box
+    about its face (numpy's "symmetric" padding), the vector component along that axis negated."""
+    volume = np.arange(4 * 5 * 6 * 7, dtype=np.float32).reshape(4, 5, 6, 7)
+    tiling = Tiling(shape=(5, 6, 7), crop=4, overlap=1, periodic=(True, False, False), pad=2, vectors=((1, 2, 3),))
+    got = tiling.read(volume, (3, -2, -3), (9, 10, 13))
+    expected = np.pad(volume, ((0, 0), (0, 0), (2, 2), (3, 3)), mode="symmetric")
+    expected = np.take(expected, [(3 + i) % 5 for i in range(9)], axis=1, mode="wrap")
+    mirrored_y = np.r_[[True] * 2, [False] * 6, [True] * 2]
+    mirrored_z = np.r_[[True] * 3, [False] * 7, [True] * 3]
+    expected[2, :, mirrored_y] *= -1
+    expected[3, :, :, mirrored_z] *= -1
+    assert np.array_equal(got, expected)
+    assert Axis(size=48, crop=16, overlap=4, periodic=True).starts == [0, 12, 24, 36]
+    assert Axis(size=16, crop=16, overlap=4, periodic=True).starts == [0]
+    assert Axis(size=40, crop=16, overlap=4, periodic=False, pad=4).starts == [-4, 8, 20, 32]  # to 48: 40 + 2 pads
+    assert tiling.blocks == [(0, 3), (3, 5)] and tiling.rows_reaching(1) == [0, 1]
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +101,18 @@ def _centre_reference(net, volume, crop, centre):
     with torch.no_grad():
         for first in range(0, len(corners), 128):
             group = corners[first : first + 128]
-            tiles = [periodic_window(volume, tuple((c - offset) % box for c in corner), crop) for corner in group]
+            tiles = [_wrapped(volume, [c - offset for c in corner], crop) for corner in group]
             for (x, y, z), p in zip(group, net(torch.from_numpy(np.stack(tiles))).numpy(), strict=True):
                 out[:, x : x + centre, y : y + centre, z : z + centre] = p[
                     :, offset : offset + centre, offset : offset + centre, offset : offset + centre
                 ]
     return out
+
+
+def _wrapped(volume, corner, size):
+    """The (C, size^3) window of a periodic volume at ``corner``."""
+    index = [np.arange(c, c + size) % n for c, n in zip(corner, volume.shape[1:], strict=True)]
+    return volume[:, index[0]][:, :, index[1]][:, :, :, index[2]]
 
 
 def _seam_ratio(pred, reference, starts):
@@ -101,11 +127,10 @@ def test_a_box_of_one_repeated_crop_is_predicted_without_seams(trained):
     with h5py.File(trained["val"]) as f:
         volume = np.tile(f["Nbody"][:, :16, :16, :16], (1, 3, 3, 3))  # one crop, repeated: a periodic box
     reference = _centre_reference(net, volume, crop=16, centre=4)
-    blended = predict_box(net, volume, 5, crop=16, overlap=6, batch=8, device=CPU)
-    hard = predict_box(net, volume, 5, crop=16, overlap=0, batch=8, device=CPU)
-    assert _seam_ratio(blended, reference, tile_starts(48, 16, 6)) < 1.3
+    blended, hard = _predicted(net, volume, overlap=6), _predicted(net, volume, overlap=0)
+    assert _seam_ratio(blended, reference, Axis(size=48, crop=16, overlap=6, periodic=True).starts) < 1.3
     # The check can fail: tiles that do not overlap show their faces (measured: about 3).
-    assert _seam_ratio(hard, reference, tile_starts(48, 16, 0)) > 1.5
+    assert _seam_ratio(hard, reference, Axis(size=48, crop=16, overlap=0, periodic=True).starts) > 1.5
     assert np.abs(blended - reference).mean() < np.abs(hard - reference).mean()
 
 
