@@ -36,7 +36,8 @@ from common.tensors import DTYPES, tensor_digest
 from model.blocks import Timing, predict_blocks
 from model.emulator import Emulator, EmulatorError, from_run_dir, from_weights, latest_run
 from model.figures import phases, slices, spectra
-from model.metrics import Normalization, compare, spectra_table
+from model.metrics import Normalization, compare
+from model.report import spectra_table
 from model.tiling import Tiling, default_overlap
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, NBODY_DATASET
 from pipeline.volumes import DataError, open_hdf5, open_npy, read_hdf5

@@ -19,8 +19,9 @@ from model import UNet, figures
 from model.blocks import predict_volume
 from model.emulator import Emulator, EmulatorSpec, export, from_run_dir, from_weights
 from model.emulator import main as export_main
-from model.metrics import Normalization, _shells, compare, contrast, spectra, spectra_table
+from model.metrics import Normalization, _shells, compare, contrast, edge_margin, spectra
 from model.predict import main as predict_main
+from model.report import spectra_table
 from model.tiling import Axis, Tiling
 from pipeline.convert import main as convert_main
 from pipeline.layout import LOG_DENSITY_SCALE
@@ -151,6 +152,35 @@ def test_power_spectrum_of_white_noise_is_flat_at_its_variance():
     k = s["k"]
     assert s["p_a"][k >= 4] == pytest.approx(np.full((k >= 4).sum(), sigma**2), rel=0.12)
     assert s["p_a"][k >= 4].mean() == pytest.approx(sigma**2, rel=0.02)
+
+
+def test_power_spectra_of_a_box_of_three_sides_take_shells_of_its_shortest_sides_fundamental():
+    """A 24 x 24 x 72 grid: k in units of 2 pi / 24, so a wave of 6 periods along the long side is in shell k = 2,
+    and white noise is flat at its variance up to the short sides' Nyquist, 12."""
+    shape, amplitude = (24, 24, 72), 0.3
+    z = np.arange(shape[2])
+    wave = amplitude * np.cos(2 * np.pi * 6 * z / shape[2]) * np.ones(shape)
+    s = spectra(wave)
+    assert s["k"].tolist() == list(range(1, 13)) and np.flatnonzero(s["p_a"] > 1e-12).tolist() == [1]
+    assert s["p_a"][1] * s["modes"][1] / np.prod(shape) == pytest.approx(amplitude**2 / 2, rel=1e-9)
+    noise = spectra(np.random.default_rng(0).normal(0.0, 0.5, shape))
+    assert np.average(noise["p_a"][2:], weights=noise["modes"][2:]) == pytest.approx(0.25, rel=0.02)  # per mode
+    assert _shells(shape)[1] == 12 and _shells(shape)[0].shape == (24, 24, 37)
+
+
+def test_a_box_that_is_not_periodic_gets_l1_by_distance_from_its_faces_not_spectra():
+    rng = np.random.default_rng(3)
+    true = rng.normal(0, 0.1, (5, 10, 8, 12)).astype(np.float32)
+    error = np.full(10, 0.01, dtype=np.float32)
+    error[[0, 9]] = 0.05  # worse on the two faces along x, the only axis that is not periodic
+    metrics = compare(true + error[None, :, None, None], true, Normalization(3.0), periodic=(False, True, True))
+    assert "gas_density" not in metrics and "target" not in metrics and metrics["spectra"].startswith("not applicable")
+    edges = metrics["edges"]
+    assert edges["distance"] == [0, 1, 2, 3, 4] and edges["voxels"] == [2 * 8 * 12] * 5
+    assert edges["l1_mean"] == pytest.approx([0.05, 0.01, 0.01, 0.01, 0.01], rel=1e-5)
+    assert metrics["l1_mean"] == pytest.approx(0.018, rel=1e-5) and "log_density_pdf" in metrics
+    assert edge_margin(edges, interior_from=3) == 1 and edge_margin(edges, interior_from=9) is None
+    assert spectra_table(metrics).startswith("spectra, r(k) and the science target not applicable")
 
 
 def test_compare_on_identical_and_noisy_boxes():
