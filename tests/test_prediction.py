@@ -561,17 +561,35 @@ def test_an_export_that_cannot_be_written_replaces_nothing(trained, tmp_path):
     assert out.read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == [MARK, "emulator.pt"]
 
 
-# --- prediction at any size: slabs, ranks, resuming, bounded memory ------------------------------------------------
+# --- prediction at any size and shape: slabs, ranks, resuming, sub-volumes, bounded memory --------------------------
 
 
 @pytest.fixture(scope="module")
 def big_box(trained, tmp_path_factory):
-    """A 48^3 box for the tiny emulator (16^3 tiles, overlap 4): four rows of tiles, four blocks of planes."""
+    """A periodic 48 x 24 x 72 box (a 24^3 one repeated) for the tiny emulator (16^3 tiles, overlap 4): four rows
+    of 2 x 6 tiles, four blocks of planes; its sub-volume of 40 x 24 x 64 from (4, 0, 4), not periodic along x and z,
+    and the same from (6, 0, 6)."""
     root = tmp_path_factory.mktemp("big")
-    spec = SyntheticSpec(train_box_size=48, val_box_size=48, seed=11)
-    write_box(root / "box.h5", spec, 48, seed=11)
+    spec = SyntheticSpec(train_box_size=24, val_box_size=24, seed=11)
+    write_box(root / "cube.h5", spec, 24, seed=11)
+    with h5py.File(root / "cube.h5") as cube:
+        fields = {name: np.tile(cube[name][...], (1, 2, 1, 3)) for name in ("Nbody", "Hydro")}
+        attrs = dict(cube.attrs)
+    paths = {"box": root / "box.h5", "sub": root / "sub.h5", "shifted": root / "shifted.h5"}
+    for name, region in (
+        ("box", np.s_[:, :, :, :]),
+        ("sub", np.s_[:, 4:44, :, 4:68]),
+        ("shifted", np.s_[:, 6:46, :, 6:70]),
+    ):
+        with h5py.File(paths[name], "w") as f:
+            f.attrs.update(attrs)
+            for dataset, values in fields.items():
+                f[dataset] = values[region]
     export(from_run_dir(trained["run"]), root / "emulator.pt")
-    return {"box": root / "box.h5", "weights": root / "emulator.pt"}
+    return {**paths, "weights": root / "emulator.pt"}
+
+
+MIRRORED = ("--boundary", "mirror,periodic,mirror", "--pad", "4")
 
 
 @pytest.fixture(scope="module")
@@ -583,9 +601,19 @@ def one_rank(big_box, tmp_path_factory):
     return _hydro(out)
 
 
-def _predict(big_box, out, *extra, launcher=()):
+@pytest.fixture(scope="module")
+def sub_volume(big_box, tmp_path_factory):
+    """The sub-volume predicted by one rank with mirrored faces, and evaluated against its truth."""
+    out = tmp_path_factory.mktemp("sub") / "prediction"
+    result = _predict(big_box, out, "--slab_blocks", "1", *MIRRORED, input_=big_box["sub"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"out": out, "hydro": _hydro(out), "stdout": result.stdout}
+
+
+def _predict(big_box, out, *extra, launcher=(), input_=None):
     command = [*launcher, "-m", "model.predict"] if launcher else [sys.executable, "-m", "model.predict"]
-    args = ["--weights", str(big_box["weights"]), "--input", str(big_box["box"]), "--out", str(out), *extra]
+    source = input_ or big_box["box"]
+    args = ["--weights", str(big_box["weights"]), "--input", str(source), "--out", str(out), *extra]
     return subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
@@ -603,24 +631,29 @@ def test_two_ranks_predict_what_one_does_into_one_dataset_of_chunked_slabs(big_b
     )
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = one_rank, _hydro(tmp_path / "two")
-    assert a.shape == (5, 48, 48, 48) and np.isfinite(a).all()
+    assert a.shape == (5, 48, 24, 72) and np.isfinite(a).all()
     assert (np.abs(a - b).max(axis=(1, 2, 3)) <= 1e-5 * a.std(axis=(1, 2, 3))).all()
     with h5py.File(tmp_path / "two" / "prediction.h5", "r", locking=False) as f:
         assert f["Hydro"].is_virtual and len(f["Hydro"].virtual_sources()) == 4  # a slab file per block
         info = json.loads(f.attrs["prediction"])
-        # four rows of 16 tiles: each rank takes the rows that reach its two blocks, one more than its own
-        assert len(info["ranks"]) == 2 and all(r["tiles"] == 3 * 16 for r in info["ranks"])
+        # four rows of 2 x 6 tiles: each rank takes the rows that reach its two blocks, one more than its own
+        assert len(info["ranks"]) == 2 and all(r["tiles"] == 3 * 12 for r in info["ranks"])
+        assert info["shape"] == [48, 24, 72] and info["boundary"] == ["periodic"] * 3 and info["margin"]["voxels"] == 0
     slab = sorted((tmp_path / "two" / "prediction.slabs").glob("slab-*.h5"))[0]
     with h5py.File(slab, "r", locking=False) as f:
-        assert f["Hydro"].chunks == (1, 12, 48, 48) and f["Hydro"].compression == "gzip"
+        assert f["Hydro"].chunks == (1, 12, 24, 64) and f["Hydro"].compression == "gzip"
     assert "2 slab(s) of 2 to do here" in two.stderr
+    metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())  # shells of 2 pi / 24, to Nyquist 12
+    assert metrics["gas_density"]["k"] == list(range(1, 13)) and metrics["target"]["k_max"] == 3
 
 
-def test_a_killed_prediction_continues_from_its_finished_slabs_to_the_same_values(big_box, one_rank, tmp_path):
+def test_a_killed_prediction_of_a_sub_volume_continues_from_its_finished_slabs_to_the_same_values(
+    big_box, sub_volume, tmp_path
+):
     out = tmp_path / "killed"
-    command = [sys.executable, "-m", "model.predict", "--weights", str(big_box["weights"]), "--input"]
+    command = [sys.executable, "-m", "model.predict", "--weights", str(big_box["weights"]), *MIRRORED, "--input"]
     proc = subprocess.Popen(
-        [*command, str(big_box["box"]), "--out", str(out), "--slab_blocks", "1", "--batch", "1"], cwd=REPO
+        [*command, str(big_box["sub"]), "--out", str(out), "--slab_blocks", "1", "--batch", "1"], cwd=REPO
     )
     try:
         wait_until(proc, lambda: len(list((out / "prediction.slabs").glob("slab-*.h5"))) >= 2, 120, "no slab written")
@@ -629,11 +662,65 @@ def test_a_killed_prediction_continues_from_its_finished_slabs_to_the_same_value
     finally:
         proc.kill()
     assert not (out / "prediction.h5").exists()  # nothing under the final name before the whole is there
-    resumed = _predict(big_box, out, "--slab_blocks", "1")
+    resumed = _predict(big_box, out, "--slab_blocks", "1", *MIRRORED, input_=big_box["sub"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     done = int(re.search(r"(\d) slab\(s\) of 4 to do here", resumed.stderr)[1])
     assert done <= 2  # the finished ones kept
-    assert np.array_equal(_hydro(out), one_rank)
+    assert np.array_equal(_hydro(out), sub_volume["hydro"])
+
+
+def _interior(values, crop=16):
+    """The voxels of a sub-volume's prediction a crop or more from its faces along x and z."""
+    return values[:, crop:-crop, :, crop:-crop]
+
+
+def test_a_sub_volume_predicts_the_whole_boxs_values_inside_and_says_its_margin(big_box, one_rank, sub_volume):
+    """Cut at (4, 0, 4), the sub-volume's tiles fall on the whole box's grid (they start a pad of 4 before it): a
+    crop or more from its faces it predicts the whole box's values, to float rounding. At its faces its error
+    against the truth is measured by distance, and the margin where it exceeds the interior's by 10% given."""
+    sub, whole = sub_volume["hydro"], one_rank[:, 4:44, :, 4:68]
+    spread = whole.std(axis=(1, 2, 3))[:, None, None, None]
+    assert sub.shape == (5, 40, 24, 64) and np.isfinite(sub).all()
+    assert (np.abs(_interior(sub) - _interior(whole)) <= 1e-5 * spread).all()
+    assert (np.abs(sub - whole).max(axis=(1, 2, 3)) > 1e-3 * spread.ravel()).any()  # the faces see mirrored context
+    metrics = json.loads((sub_volume["out"] / "metrics.json").read_text())
+    with h5py.File(big_box["sub"]) as f:
+        truth = f["Hydro"][...]
+    distance = np.minimum.outer(
+        np.minimum(np.arange(40), np.arange(40)[::-1]), np.minimum(np.arange(64), np.arange(64)[::-1])
+    )
+    error = np.abs(sub.astype(np.float64) - truth).mean(axis=(0, 2))  # (x, z)
+    edges = metrics["edges"]
+    expected = [error[distance == d].mean() for d in edges["distance"]]
+    assert edges["distance"] == list(range(20)) and edges["l1_mean"] == pytest.approx(expected, rel=1e-6)
+    interior = np.average(np.asarray(edges["l1_mean"])[16:], weights=np.asarray(edges["voxels"])[16:])
+    found = metrics["margin"]["voxels"]
+    assert 0 <= found <= 16 and all(v <= 1.1 * interior for v in edges["l1_mean"][found:16])
+    assert found == 0 or edges["l1_mean"][found - 1] > 1.1 * interior
+    assert "gas_density" not in metrics and metrics["spectra"].startswith("not applicable")
+    assert "spectra, r(k) and the science target not applicable" in sub_volume["stdout"]
+    assert not (sub_volume["out"] / "spectra.png").exists() and (sub_volume["out"] / "phases.png").is_file()
+    with h5py.File(sub_volume["out"] / "prediction.h5", "r", locking=False) as f:
+        info = json.loads(f.attrs["prediction"])
+    assert info["boundary"] == ["mirror", "periodic", "mirror"] and info["pad"] == 4 and info["margin"]["voxels"] == 1
+
+
+def test_a_sub_volume_off_the_whole_boxs_grid_differs_inside_by_no_more_than_moving_the_grid(big_box, one_rank):
+    """Cut at (6, 0, 6), its tiles start 2 voxels off the whole box's grid: inside, it differs from the whole box's
+    prediction as much as the whole box predicted on a grid moved by 2 does, and equals that one to float rounding."""
+    net = from_weights(big_box["weights"]).model
+    with h5py.File(big_box["box"]) as f:
+        volume = f["Nbody"][...]
+    with h5py.File(big_box["shifted"]) as f:
+        cut = f["Nbody"][...]
+    moved = np.roll(_predicted(net, np.roll(volume, -2, axis=(1, 3))), 2, axis=(1, 3))[:, 6:46, :, 6:70]
+    sub = _predicted(net, cut, overlap=4, periodic=(False, True, False), pad=4)
+    whole = one_rank[:, 6:46, :, 6:70]
+    spread = np.abs(_interior(moved) - _interior(whole)).max(axis=(1, 2, 3))
+    scale = whole.std(axis=(1, 2, 3))
+    assert (spread > 1e-4 * scale).all()  # moving the grid moves the values
+    assert (np.abs(_interior(sub) - _interior(moved)).max(axis=(1, 2, 3)) <= 1e-5 * scale).all()
+    assert (np.abs(_interior(sub) - _interior(whole)).max(axis=(1, 2, 3)) <= spread + 1e-5 * scale).all()
 
 
 MEMORY = """

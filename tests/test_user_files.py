@@ -11,16 +11,43 @@ import sys
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from bench.env import append_records
 from common.files import size_text
-from common.outputs import MARK
+from common.outputs import MARK, marked
 from model.checkpoints import reclaim_temporaries
+from model.emulator import Emulator, EmulatorSpec, export
 from model.emulator import main as export_main
+from model.predict import main as predict_main
 from pipeline.convert import main as convert_main
-from tests.conftest import REPO, run_train, tiny_args, wait_until
+from pipeline.synthetic import write_box
+from tests.conftest import REPO, TINY_SPEC, run_train, tiny_args, wait_until
 
 USERS = b"the user's own, from elsewhere"
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    """A tiny emulator as initialized (what it predicts does not matter here), a 16^3 box (one tile) and a 32^3 one
+    (three rows of tiles), without a truth (no metrics: the prediction alone)."""
+    root = tmp_path_factory.mktemp("emulator")
+    spec = EmulatorSpec(
+        in_channels=4,
+        out_channels=5,
+        width=4,
+        depth=3,
+        crop_size=16,
+        input_vectors=[[1, 2, 3]],
+        target_vectors=[[1, 2, 3]],
+    )
+    torch.manual_seed(0)
+    export(Emulator(spec, spec.unet.build(), "initialized"), root / "emulator.pt")
+    for name, size in (("box", 16), ("rows", 32)):
+        write_box(root / f"{name}.h5", TINY_SPEC, size, seed=1)
+        with h5py.File(root / f"{name}.h5", "a") as f:
+            del f["Hydro"]
+    return {"weights": root / "emulator.pt", "box": root / "box.h5", "rows": root / "rows.h5"}
 
 
 def _users(directory, *names):
@@ -34,6 +61,82 @@ def _untouched(directory, stamps):
     return all(
         (directory / n).read_bytes() == USERS and (directory / n).stat().st_mtime_ns == t for n, t in stamps.items()
     )
+
+
+def _errors(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+
+
+def _predict(emulator, out, *extra, box="box"):
+    return predict_main(
+        ["--weights", str(emulator["weights"]), "--input", str(emulator[box]), "--out", str(out), *extra]
+    )
+
+
+def test_predict_refuses_a_directory_of_the_users_files_and_never_replaces_one(emulator, tmp_path, caplog):
+    out = tmp_path / "out"
+    stamps = _users(out, "metrics.json", "slices.png")  # as users' own files, from elsewhere
+    for extra in ([], ["--beside"]):  # names it would write: never, even beside them
+        caplog.clear()
+        assert _predict(emulator, out, *extra) == 2
+        errors = _errors(caplog)
+        assert len(errors) == 1 and "holds metrics.json, slices.png, which this project did not write" in errors[0]
+    assert _untouched(out, stamps) and not (out / "prediction.h5").exists()
+    other = tmp_path / "other"
+    stamps = _users(other, "notes.txt")
+    caplog.clear()
+    assert _predict(emulator, other) == 2
+    assert "holds files this project did not write (notes.txt): --beside writes beside them" in _errors(caplog)[0]
+    assert _predict(emulator, other, "--beside") == 0
+    assert _untouched(other, stamps) and (other / "prediction.h5").is_file()
+    assert set(marked(other)) >= {"prediction.h5", "prediction.slabs", "metrics.json"} and "notes.txt" not in marked(
+        other
+    )
+    assert _predict(emulator, other) == 2  # marked or not, the user's file is the user's
+    assert _predict(emulator, other, "--beside") == 0 and _untouched(other, stamps)
+
+
+def test_a_prediction_from_before_marks_is_taken_as_the_projects(emulator, tmp_path):
+    """An output directory written before marks existed (here: the mark removed) is recognized by its prediction
+    file and its slabs, and predicted into again; a user's file there is not taken for the project's."""
+    out = tmp_path / "out"
+    assert _predict(emulator, out) == 0
+    (out / MARK).unlink()
+    stamps = _users(out, "notes.txt")
+    assert _predict(emulator, out) == 2 and _predict(emulator, out, "--beside") == 0
+    assert {"prediction.h5", "prediction.slabs"} <= set(marked(out)) and "notes.txt" not in marked(out)
+    assert _untouched(out, stamps)
+
+
+def test_no_output_is_an_input(emulator, tmp_path, caplog):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "prediction.h5").symlink_to(emulator["box"])
+    assert _predict(emulator, out) == 2
+    assert (
+        f"{out / 'prediction.h5'} is the input {emulator['box']}: an output never replaces an input"
+        in _errors(caplog)[0]
+    )
+    with h5py.File(emulator["box"], "r") as f:
+        assert "Nbody" in f  # the input as it was
+
+
+def test_another_predictions_slabs_are_reclaimed_never_assembled(emulator, tmp_path, caplog):
+    """Slabs of a prediction with other settings (here: three slab files of one block, then two of two) and a partial
+    slab a killed run left: gone before the prediction starts, in one line each; only this one's are assembled."""
+    out = tmp_path / "out"
+    assert _predict(emulator, out, "--slab_blocks", "1", box="rows") == 0
+    slabs = out / "prediction.slabs"
+    assert len(list(slabs.glob("slab-*.h5"))) == 3
+    (slabs / ".slab-0001.h5.partial").write_bytes(b"\0" * 5000)
+    caplog.clear()
+    assert _predict(emulator, out, "--slab_blocks", "2", box="rows") == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(w.startswith(f"reclaimed what killed runs left in {slabs}: .slab-0001.h5.partial (") for w in warnings)
+    assert any(w.startswith(f"reclaimed another prediction's files in {slabs}: slab-0000.h5") for w in warnings)
+    assert sorted(p.name for p in slabs.iterdir()) == ["slab-0000.h5", "slab-0001.h5"]
+    with h5py.File(out / "prediction.h5", "r") as f:
+        assert len(f["Hydro"].virtual_sources()) == 2 and np.isfinite(f["Hydro"][...]).all()
 
 
 def _random_box(path, box):

@@ -25,6 +25,7 @@ from common.files import reclaim, temporaries, write_text_atomically
 from common.hold import HeldError, Hold, hold_directory, holder_of
 from common.outputs import OutputError, check_directory, mark, refuse_inputs
 from model.checkpoints import CHECKPOINT_DIR, RUN_CONFIG, reclaim_temporaries
+from model.slabs import earlier_prediction
 from trainer.config import Config, to_dict
 from trainer.dist import DistEnv
 from trainer.errors import ConfigError
@@ -58,7 +59,9 @@ def _run_config(path: Path) -> bool:
 
 def earlier_run(entry: Path) -> bool:
     """Whether an entry of a run directory from before marks existed is a run's: its files beside a run's resolved
-    config."""
+    config, and a prediction directory of model.predict's default place."""
+    if entry.name == "prediction" and entry.is_dir():
+        return earlier_prediction(entry / "prediction.h5")
     return entry.name in RUN_FILES and _run_config(entry.parent / CONFIG)
 
 
