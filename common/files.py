@@ -103,5 +103,7 @@ def reclaim(paths: list[Path], *, what: str) -> str:
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-    names = ", ".join(p.name for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
-    return f"reclaimed {what} in {paths[0].parent}: {names} ({size_text(size)})"
+    where = Path(os.path.commonpath([p.parent for p in paths]))
+    names = [str(p.relative_to(where)) for p in paths]
+    listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"reclaimed {what} in {where}: {listed} ({size_text(size)})"

@@ -132,8 +132,9 @@ def test_another_predictions_slabs_are_reclaimed_never_assembled(emulator, tmp_p
     caplog.clear()
     assert _predict(emulator, out, "--slab_blocks", "2", box="rows") == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert any(w.startswith(f"reclaimed what killed runs left in {slabs}: .slab-0001.h5.partial (") for w in warnings)
-    assert any(w.startswith(f"reclaimed another prediction's files in {slabs}: slab-0000.h5") for w in warnings)
+    assert f"reclaimed what killed runs left in {slabs}: .slab-0001.h5.partial (4.9 KiB)" in warnings
+    other = "prediction.slabs/slab-0000.h5, prediction.slabs/slab-0001.h5, prediction.slabs/slab-0002.h5, prediction.h5"
+    assert any(w.startswith(f"reclaimed another prediction's files in {out}: {other} (") for w in warnings)
     assert sorted(p.name for p in slabs.iterdir()) == ["slab-0000.h5", "slab-0001.h5"]
     with h5py.File(out / "prediction.h5", "r") as f:
         assert len(f["Hydro"].virtual_sources()) == 2 and np.isfinite(f["Hydro"][...]).all()
