@@ -162,8 +162,11 @@ class RunDir:
         path, hold = cls._hold(path, name, dist)
         try:
             adopted = cls._check(path, beside=beside, inputs=inputs or [])
+            torch_dist.barrier()  # every rank has looked before rank 0 marks the run's names, before it writes any
+            if dist.is_main:
+                mark(path, [*adopted, *RUN_FILES], by=COMMAND)  # once for good: a run's names are its directory's
             run = cls._claim(path, hold, dist, resume=resume, overwrite=overwrite)
-            run._mark_and_reclaim(adopted)
+            run._reclaim()
             return run
         except BaseException:
             if hold is not None:
@@ -182,13 +185,11 @@ class RunDir:
         except OutputError as err:
             raise ConfigError(str(err)) from None
 
-    def _mark_and_reclaim(self, adopted: list[str]) -> None:
-        """Rank 0, once every rank has looked: the run's names marked as the project's, and what killed runs left
-        (temporaries of its records, of its checkpoints) reclaimed, in a line each; no live process writes there (the
-        hold)."""
+    def _reclaim(self) -> None:
+        """Rank 0: what killed runs left (temporaries of its records, of its checkpoints) reclaimed, in a line each;
+        no live process writes there (the hold)."""
         if not self.dist.is_main:
             return
-        mark(self.path, [*adopted, *RUN_FILES], by=COMMAND)  # once for good: a run's names are its directory's
         found = temporaries(self.path, RUN_FILES)
         for line in filter(None, [reclaim(found, what="what killed runs left"), *reclaim_temporaries(self.path)]):
             log.warning("%s", line)
