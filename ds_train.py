@@ -23,7 +23,7 @@ from trainer.data import prepare_data
 from trainer.dist import DistEnv, init_distributed
 from trainer.errors import USER_ERRORS, NumericalError
 from trainer.preemption import PREEMPTED_EXIT, StopRequest
-from trainer.rundir import RunDir, configure_logging, saved_config
+from trainer.rundir import RunDir, configure_logging, data_files, saved_config
 from trainer.trainer import Trainer
 
 log = logging.getLogger("ds_train")
@@ -34,6 +34,7 @@ SWITCHES = {
     "--resume": "continue the run in --run_dir from its newest intact checkpoint",
     "--overwrite": "start afresh in a --run_dir that holds a run, deleting it",
     "--allow_config_change": "with --resume: accept settings that change the training",
+    "--beside": "write into a --run_dir that holds files of the user's (never replacing them)",
     "--profile": "record a torch.profiler trace of a few steps into RUN_DIR/profile",
 }
 
@@ -70,7 +71,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             name, cfg = args.config, build_config(load_named(args.yaml_config, args.config), overrides)
         device = init_distributed(dist, cfg.dist_timeout_s)
-        run = RunDir.claim(args.run_dir, name, dist, resume=args.resume, overwrite=args.overwrite)
+        run = RunDir.claim(
+            args.run_dir,
+            name,
+            dist,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            beside=args.beside,
+            inputs=data_files(cfg),
+        )
         prepare_data(cfg, dist)
         trainer = Trainer(
             cfg=cfg,

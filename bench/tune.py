@@ -27,6 +27,7 @@ from bench.tune_stages import STAGES, Candidate
 from common.cli import ArgumentParser, output_file
 from common.files import write_text_atomically
 from common.hold import HeldError, hold_file
+from common.outputs import OutputError, claim_files, refuse_inputs
 from trainer.config import (
     RECIPE,
     TUNABLE,
@@ -294,8 +295,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _tune(parser: ArgumentParser, args: Namespace, overrides: dict[str, str], *, out: Path) -> int:
-    if not args.overwrite and (out.exists() or out.with_suffix(".json").exists()):
-        parser.error(f"{out} (or its .json) exists: pass --overwrite to replace it")
+    try:
+        refuse_inputs([out, out.with_suffix(".json")], [args.yaml_config])
+        advice = "choose another --out"
+        claim_files([out, out.with_suffix(".json")], by="bench.tune", overwrite=args.overwrite, advice=advice)
+    except OutputError as err:
+        parser.error(str(err))
     if min(args.budget_s, args.repeats, args.steps, args.ranks, args.micro_batches) <= 0 or args.margin < 0:
         parser.error(
             "--budget_s, --repeats, --steps, --ranks and --micro_batches must be positive, --margin not negative"

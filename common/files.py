@@ -1,12 +1,31 @@
-"""Writing files so that a reader never sees half of one, and an interrupted write leaves nothing behind."""
+"""Writing files so that a reader never sees half of one, and an interrupted write leaves nothing behind: a write goes
+to a hidden temporary name beside the file, renamed into place when whole; what a killed writer left under such a
+name is found (``temporaries``) and reclaimed by the next writer of the same file (``reclaim``). Sizes are said
+with ``size_text``.
+"""
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+PARTIAL = ".partial"  # the suffix of every temporary name: ``.<name>.partial`` or ``.<name>.<random>.partial``
+
+
+def size_text(nbytes: float) -> str:
+    """A size with the unit that shows it: GiB from a quarter of one, else MiB, KiB or bytes."""
+    if nbytes >= 2**28:
+        return f"{nbytes / 2**30:.2f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    if nbytes >= 2**10:
+        return f"{nbytes / 2**10:.1f} KiB"
+    return f"{nbytes:.0f} bytes"
 
 
 @contextmanager
@@ -15,7 +34,7 @@ def written_atomically(path: Path) -> Iterator[Path]:
     removed when it raises. Its name is unique, so writers on several nodes of a shared file system do not
     collide; its permissions follow the umask, like any file the user creates."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL)
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
@@ -49,3 +68,42 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def temporaries(directory: Path, names: Iterable[str]) -> list[Path]:
+    """What writers of ``names`` in ``directory`` left under a temporary name (``.<name>.partial``, or with a random
+    part before the suffix): files and directories, which only a writer killed part way leaves."""
+    found: set[Path] = set()
+    for name in names:
+        literal = glob.escape(name)
+        for pattern in (f".{literal}{PARTIAL}", f".{literal}.*{PARTIAL}"):
+            found.update(directory.glob(pattern))
+    return sorted(found)
+
+
+def size_of(path: Path) -> int:
+    """The bytes of a file, or of a directory's files, as ``ls -l`` shows them."""
+    paths = [path, *path.rglob("*")] if path.is_dir() and not path.is_symlink() else [path]
+    total = 0
+    for each in paths:
+        try:
+            total += each.lstat().st_size if not each.is_dir() else 0
+        except OSError:  # gone meanwhile
+            continue
+    return total
+
+
+def reclaim(paths: list[Path], *, what: str) -> str:
+    """Remove ``paths`` (files or directories); the line that says so, what and how big ("" where there were none)."""
+    if not paths:
+        return ""
+    size = sum(size_of(p) for p in paths)
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    where = Path(os.path.commonpath([p.parent for p in paths]))
+    names = [str(p.relative_to(where)) for p in paths]
+    listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"reclaimed {what} in {where}: {listed} ({size_text(size)})"

@@ -6,16 +6,18 @@ the global step, so that their order is the order of training), with the module'
 ``mp_rank_00_model_states.pt`` and ``manifest.json``, every other file's size and SHA-256, written when the
 checkpoint was complete; ``checkpoints/latest`` names the newest complete one. A checkpoint found damaged is set
 aside as ``<tag>.damaged`` (``.damaged-2``... beside an earlier one): no longer a tag, never reused, never pruned.
+What a killed save left under a temporary name is reclaimed at the next start (``reclaim_temporaries``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
-from common.files import write_text_atomically
+from common.files import reclaim, temporaries, write_text_atomically
 
 RUN_CONFIG = "config.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -24,6 +26,8 @@ TAG_PREFIX = "step"
 MODEL_STATES = "mp_rank_00_model_states.pt"  # DeepSpeed's file of the module's weights (one model-parallel rank)
 MANIFEST = "manifest.json"
 DAMAGED = ".damaged"
+PARTIAL_SAVE = ".{tag}.partial"  # a save in progress: renamed to its tag once complete
+REPLACED = ".{tag}.replaced"  # a checkpoint of the same step, set aside while the new one takes its name
 
 
 def tag_for(step: int) -> str:
@@ -127,3 +131,22 @@ def newest_intact(run_dir: Path) -> tuple[str | None, list[tuple[str, str]]]:
             return tag, damaged
         damaged.append((tag, problem))
     return None, damaged
+
+
+def reclaim_temporaries(run_dir: Path) -> list[str]:
+    """At a start that holds the run directory: what killed saves left in ``checkpoints/`` goes (partial checkpoints,
+    ``latest``'s temporaries); a checkpoint set aside to be replaced whose replacement never took its name is put
+    back. The lines that say so."""
+    ckpt_dir = run_dir / CHECKPOINT_DIR
+    if not ckpt_dir.is_dir():
+        return []
+    lines: list[str] = []
+    stale = sorted(ckpt_dir.glob(PARTIAL_SAVE.format(tag=f"{TAG_PREFIX}*"))) + temporaries(ckpt_dir, [LATEST])
+    for aside in sorted(ckpt_dir.glob(REPLACED.format(tag=f"{TAG_PREFIX}*"))):
+        tag = aside.name[1 : -len(".replaced")]
+        if (ckpt_dir / tag).exists():
+            stale.append(aside)
+        else:
+            os.replace(aside, ckpt_dir / tag)
+            lines.append(f"checkpoint {tag} put back from {aside.name}, where a killed save had set it aside")
+    return [line for line in [*lines, reclaim(sorted(stale), what="what killed saves left")] if line]

@@ -20,6 +20,7 @@ import torch
 from common.cli import ArgumentParser, existing_dir, output_file
 from common.files import written_atomically
 from common.hold import HeldError, hold_file
+from common.outputs import OutputError, claim_files, refuse_inputs
 from model.checkpoints import (
     CHECKPOINT_DIR,
     LATEST,
@@ -33,6 +34,8 @@ from model.checkpoints import (
 from model.unet import UNet, UNetSpec
 
 log = logging.getLogger(__name__)
+
+FORMAT = "cosmo-emulator/1"  # what an exported file says it is
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +151,7 @@ def export(emulator: Emulator, out: Path) -> None:
     leaves no half file."""
     state = {k: v.detach().float().cpu() for k, v in emulator.model.state_dict().items()}
     saved = {
-        "format": "cosmo-emulator/1",
+        "format": FORMAT,
         "spec": asdict(emulator.spec),
         "state_dict": state,
         "source": emulator.source,
@@ -163,7 +166,7 @@ def export(emulator: Emulator, out: Path) -> None:
 
 def from_weights(path: Path) -> Emulator:
     saved = _load(path)
-    if not isinstance(saved, dict) or saved.get("format") != "cosmo-emulator/1":
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT:
         raise EmulatorError(f"{path}: not an exported emulator (python -m model.export writes them)")
     try:
         spec = EmulatorSpec(**saved["spec"])
@@ -171,6 +174,15 @@ def from_weights(path: Path) -> Emulator:
         why = f"{type(err).__name__}: {err}"
         raise EmulatorError(f"{path}: an exported emulator without a usable spec ({why})") from None
     return _build(spec, saved["state_dict"], str(path))
+
+
+def is_export(path: Path) -> bool:
+    """Whether ``path`` is an emulator that ``export`` wrote (before marks existed, its content says so)."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # any file at all: not one
+        return False
+    return isinstance(saved, dict) and saved.get("format") == FORMAT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,15 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tag", help="checkpoint tag (default: the newest intact one)")
     parser.add_argument("--out", type=output_file, required=True, help="the file to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--overwrite", action="store_true", help="replace an --out that an earlier export wrote")
     args = parser.parse_args(argv)
     try:
         with hold_file(args.out, "wait for it to end, or choose another --out"):
-            if args.out.exists() and not args.overwrite:
-                raise EmulatorError(f"{args.out} exists: --overwrite replaces it, or choose another --out")
-            emulator = from_run_dir(args.run_dir or latest_run(), args.tag)
+            run_dir = args.run_dir or latest_run()
+            refuse_inputs([args.out], [run_dir / RUN_CONFIG, *(run_dir / CHECKPOINT_DIR).rglob(MODEL_STATES)])
+            advice = "choose another --out"
+            claim_files([args.out], by="model.export", overwrite=args.overwrite, legacy=is_export, advice=advice)
+            emulator = from_run_dir(run_dir, args.tag)
             export(emulator, args.out)
-    except (EmulatorError, HeldError) as err:
+    except (EmulatorError, HeldError, OutputError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {args.out} from {emulator.source}")

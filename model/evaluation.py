@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from model.blocks import predict_volume
 from model.metrics import Normalization, compare
-from model.tiling import Tiling, predict_blocks
+from model.tiling import Tiling, default_overlap
 
 
 class Origin:
@@ -43,21 +44,17 @@ def compare_box(
     side: int | None = None,
 ) -> dict:
     """``compare``'s metrics of the model's prediction of a box against its truth: the whole box, or the fixed
-    ``side``^3 sub-volume at its origin taken as periodic, tiled with a quarter-crop overlap. The prediction is
-    written to a temporary file block by block: memory stays at the evaluation's few fields."""
+    ``side``^3 sub-volume at its origin taken as periodic, tiled as ``model.predict`` tiles by default. The
+    prediction is written to a temporary file block by block: memory stays at the evaluation's few fields."""
     side = side or nbody.shape[1]
     inputs, truth = (volume if side == volume.shape[1] else Origin(volume, side) for volume in (nbody, hydro))
-    tiling = Tiling(box=side, crop=crop, overlap=crop // 4)
+    tiling = Tiling(shape=(side,) * 3, crop=crop, overlap=default_overlap(crop))
     channels = hydro.shape[0]
     with tempfile.TemporaryDirectory(prefix="science-") as scratch:
         pred = np.lib.format.open_memmap(
             f"{scratch}/pred.npy", mode="w+", dtype=np.float32, shape=(channels, *(side,) * 3)
         )
-        blocks = list(range(len(tiling.blocks)))
-        found = predict_blocks(model, inputs, tiling, blocks=blocks, out_channels=channels, batch=batch, device=device)
-        for block, values in found:
-            lo, hi = tiling.blocks[block]
-            pred[:, lo:hi] = values
+        predict_volume(model, inputs, tiling, out=pred, batch=batch, device=device)
         pred.flush()
         metrics = compare(pred, truth, norm)
         del pred

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from common.files import written_atomically
 from model.metrics import FIELDS, VELOCITIES
 from pipeline.layout import HYDRO_CHANNELS, LOG_DENSITY_SCALE, NBODY_CHANNELS
 
@@ -19,6 +20,17 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _saved(fig: Any, path: Path) -> Path:
+    """The figure written to ``path`` through a hidden temporary file, so that no half figure replaces one."""
+    plt = _pyplot()
+    try:
+        with written_atomically(path) as tmp:
+            fig.savefig(tmp, dpi=90, format=path.suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
+    return path
 
 
 def channel_units(name: str, temperature_log_range: float | None) -> str:
@@ -75,9 +87,7 @@ def slices(
             fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).set_label(label, fontsize=8)
     fig.suptitle(f"central slices (array axis 1 at {mid} of {inputs.shape[1]})", fontsize=10)
     fig.tight_layout(w_pad=2.5)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def _limits(values: list[np.ndarray], floor: float, ceiling: float, *, margin: float) -> tuple[float, float]:
@@ -130,9 +140,7 @@ def spectra(metrics: dict[str, Any], path: Path) -> Path:
     left.set(ylabel="P_pred(k) / P_true(k)", title="Power spectrum ratio (clipped at the axis)")
     right.set(ylabel="r(k) = P_x / sqrt(P_pred P_true)", title="Cross-correlation (clipped at the axis)")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def phases(metrics: dict[str, Any], path: Path) -> Path:
@@ -172,6 +180,4 @@ def phases(metrics: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=8, loc="upper left")
         fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).set_label("fraction of voxels", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)

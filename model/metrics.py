@@ -1,7 +1,9 @@
 """The statistics cosmologists check first, comparing a predicted hydro box with the true one: L1 per channel; for gas
 density and temperature in physical units the power spectrum ratio and the cross-correlation r(k) per shell of |k|,
 with medians over named k ranges; the same for the gas velocity's components and its speed; the science target,
-one verdict per field; the density PDF; the temperature-density relation. docs/prediction.md defines each one.
+one verdict per field; the density PDF; the temperature-density relation. Boxes of any shape L1 x L2 x L3; where
+one is not periodic, the spectra are not applicable and L1 is given by distance from its faces instead.
+docs/prediction.md defines each one.
 """
 
 from __future__ import annotations
@@ -32,12 +34,18 @@ class Normalization:
         return cls(json.loads(spec).get("temperature_log_range"))
 
 
-def _shells(n: int) -> tuple[np.ndarray, int]:
-    """|k| of every rfft mode of an n^3 grid, in units of the fundamental mode, rounded to shells."""
-    k = np.fft.fftfreq(n) * n
-    kz = np.fft.rfftfreq(n) * n
-    kmag = np.sqrt(k[:, None, None] ** 2 + k[None, :, None] ** 2 + kz[None, None, :] ** 2)
-    return np.rint(kmag).astype(np.int64), n // 2
+def _wavenumbers(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """k along each axis of an rfft of a grid of ``shape``, in units of the fundamental mode of its shortest side
+    (2 pi / L_min: the shells' width, so that every shell has modes along every axis)."""
+    n_min = min(shape)
+    return np.fft.fftfreq(shape[0]) * n_min, np.fft.fftfreq(shape[1]) * n_min, np.fft.rfftfreq(shape[2]) * n_min
+
+
+def _shells(shape: int | tuple[int, int, int]) -> tuple[np.ndarray, int]:
+    """|k| of every rfft mode of a grid (n^3, or of ``shape``), rounded to shells, and the last shell (Nyquist)."""
+    kx, ky, kz = _wavenumbers((shape,) * 3 if isinstance(shape, int) else shape)
+    kmag = np.sqrt(kx[:, None, None] ** 2 + ky[None, :, None] ** 2 + kz[None, None, :] ** 2)
+    return np.rint(kmag).astype(np.int64), min((shape,) if isinstance(shape, int) else shape) // 2
 
 
 def _rfft(field: np.ndarray) -> np.ndarray:
@@ -45,24 +53,23 @@ def _rfft(field: np.ndarray) -> np.ndarray:
     return scipy.fft.rfftn(field, workers=FFT_WORKERS, overwrite_x=True)
 
 
-def _shell_sums(transforms: list[np.ndarray]) -> dict[str, np.ndarray]:
+def _shell_sums(transforms: list[np.ndarray], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
     """Per shell of |k|, summed plane by plane of the transforms (no grid of the box's size besides them): the mode
-    counts and, in float64, |f_a|^2 (and |f_b|^2 and Re f_a f_b*) for one (two) transforms of an n^3 grid. The rfft
-    holds half the modes: those of the kz = 0 and Nyquist planes are counted once, the others for their conjugates
-    too."""
-    n = transforms[0].shape[0]
-    nyquist = n // 2
-    k, kz = np.fft.fftfreq(n) * n, np.fft.rfftfreq(n) * n
+    counts and, in float64, |f_a|^2 (and |f_b|^2 and Re f_a f_b*) for one (two) transforms of a grid of ``shape``.
+    The rfft holds half the modes: those of the kz = 0 and Nyquist planes are counted once, the others for their
+    conjugates too."""
+    nyquist = min(shape) // 2
+    kx, k, kz = _wavenumbers(shape)
     weight = np.full(kz.shape, 2.0)
     weight[0] = 1.0
-    if n % 2 == 0:
+    if shape[2] % 2 == 0:
         weight[-1] = 1.0
     names = ["p_a"] if len(transforms) == 1 else ["p_a", "p_b", "p_ab"]
     sums = {name: np.zeros(nyquist + 1) for name in ["modes", *names]}
-    for i in range(n):
-        shells = np.rint(np.sqrt(k[i] ** 2 + k[:, None] ** 2 + kz[None, :] ** 2)).astype(np.int64).ravel()
+    for i in range(shape[0]):
+        shells = np.rint(np.sqrt(kx[i] ** 2 + k[:, None] ** 2 + kz[None, :] ** 2)).astype(np.int64).ravel()
         inside = shells <= nyquist
-        shells, plane_weight = shells[inside], np.broadcast_to(weight, (n, kz.size)).ravel()[inside]
+        shells, plane_weight = shells[inside], np.broadcast_to(weight, (k.size, kz.size)).ravel()[inside]
         planes = [t[i].ravel()[inside] for t in transforms]
         powers = {"p_a": np.abs(planes[0]) ** 2}
         if len(planes) == 2:
@@ -73,9 +80,9 @@ def _shell_sums(transforms: list[np.ndarray]) -> dict[str, np.ndarray]:
     return sums
 
 
-def _spectra_of(transforms: list[np.ndarray], size: int) -> dict[str, np.ndarray]:
-    sums = _shell_sums(transforms)
-    counts = sums.pop("modes")[1:]
+def _spectra_of(transforms: list[np.ndarray], shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+    sums = _shell_sums(transforms, shape)
+    counts, size = sums.pop("modes")[1:], int(np.prod(shape))
     # the grid's variance of f is the sum of |f_k / size|^2 over all modes; per mode, P = size |f_k / size|^2
     return {"k": np.arange(1, counts.size + 1), "modes": counts, **{n: v[1:] / counts / size for n, v in sums.items()}}
 
@@ -84,7 +91,7 @@ def spectra(a: np.ndarray, b: np.ndarray | None = None) -> dict[str, np.ndarray]
     """Shell-averaged P_a(k) (and P_b, the cross spectrum P_ab) for k = 1 .. L/2, per mode, of fields in memory, in
     double precision."""
     fields = [a] if b is None else [a, b]
-    return _spectra_of([np.fft.rfftn(np.asarray(f, dtype=np.float64)) for f in fields], a.size)
+    return _spectra_of([np.fft.rfftn(np.asarray(f, dtype=np.float64)) for f in fields], a.shape)
 
 
 def contrast(field: np.ndarray) -> np.ndarray:
@@ -119,24 +126,26 @@ def _finite(values: np.ndarray) -> list[float | None]:
 
 
 class _Boxes:
-    """A predicted and a true (5, L, L, L) box (arrays, memory maps or HDF5 datasets) read a slab of planes at a time,
-    so that only the fields a statistic needs whole are ever whole, in float32."""
+    """A predicted and a true (5, L1, L2, L3) box (arrays, memory maps or HDF5 datasets) read a slab of planes at a
+    time, so that only the fields a statistic needs whole are ever whole, in float32."""
 
     def __init__(self, pred: Any, true: Any, norm: Normalization) -> None:
         self.boxes, self.norm = {"pred": pred, "true": true}, norm
-        self.side = int(true.shape[1])
-        self.step = max(1, min(2**22 // self.side**2, self.side // 16))  # a sixteenth of the box, 16 MiB at most
+        self.shape = tuple(int(n) for n in true.shape[1:])
+        self.voxels = int(np.prod(self.shape))
+        plane = self.shape[1] * self.shape[2]
+        self.step = max(1, min(2**22 // plane, self.shape[0] // 16))  # a sixteenth of the box, 16 MiB at most
 
     def slabs(self) -> Iterator[slice]:
-        for x in range(0, self.side, self.step):
-            yield slice(x, min(x + self.step, self.side))
+        for x in range(0, self.shape[0], self.step):
+            yield slice(x, min(x + self.step, self.shape[0]))
 
     def read(self, which: str, channels: slice | int, planes: slice) -> np.ndarray:
         return np.asarray(self.boxes[which][channels, planes], dtype=np.float32)
 
     def field(self, which: str, make: Callable[[Callable[[Any], np.ndarray]], np.ndarray]) -> np.ndarray:
         """A (L, L, L) float32 field made slab by slab: ``make(read)`` from ``read(channels)`` of one slab."""
-        out = np.empty((self.side,) * 3, dtype=np.float32)
+        out = np.empty(self.shape, dtype=np.float32)
         for planes in self.slabs():
             out[planes] = make(lambda channels, p=planes: self.read(which, channels, p))
         return out
@@ -153,7 +162,7 @@ class _Boxes:
                 field -= 1
             transforms.append(_rfft(field))
             del field
-        return _ratios(_spectra_of(transforms, self.side**3))
+        return _ratios(_spectra_of(transforms, self.shape))
 
 
 def _density(norm: Normalization) -> Callable[[Callable[[Any], np.ndarray]], np.ndarray]:
@@ -176,26 +185,33 @@ def _log_temperature(norm: Normalization) -> Callable[[Callable[[Any], np.ndarra
     return lambda read: read(TEMPERATURE) * scale
 
 
-def compare(pred: Any, true: Any, norm: Normalization, *, bins: int = 40) -> dict[str, Any]:
-    """All the statistics for a predicted (5, L, L, L) hydro box against the true one (normalized units), read a
-    slab at a time: at most three fields of the box in float32 at once, whatever their storage."""
+def compare(
+    pred: Any, true: Any, norm: Normalization, *, bins: int = 40, periodic: tuple[bool, ...] = (True, True, True)
+) -> dict[str, Any]:
+    """All the statistics for a predicted (5, L1, L2, L3) hydro box against the true one (normalized units), read a
+    slab at a time: at most three fields of the box in float32 at once, whatever their storage. Along an axis that
+    is not ``periodic`` the spectra do not apply: L1 by distance from the faces (``edges``) is given instead."""
     boxes = _Boxes(pred, true, norm)
     totals = np.zeros(len(HYDRO_CHANNELS))
+    edges = _FaceDistances(boxes.shape, periodic)
     for planes in boxes.slabs():
         diff = np.abs(
             boxes.read("pred", slice(None), planes).astype(np.float64) - boxes.read("true", slice(None), planes)
         )
         totals += diff.reshape(len(HYDRO_CHANNELS), -1).sum(axis=1)
-    l1 = {name: float(totals[c] / boxes.side**3) for c, name in enumerate(HYDRO_CHANNELS)}
+        edges.add(diff, planes)
+    l1 = {name: float(totals[c] / boxes.voxels) for c, name in enumerate(HYDRO_CHANNELS)}
     result: dict[str, Any] = {
         "l1": l1,
         "l1_mean": float(np.mean(list(l1.values()))),
         "temperature_units": "T / T0"
         if norm.temperature_log_range
         else "normalized (the data file gives no normalization)",
-        "gas_density": boxes.spectra(_density(norm), of_contrast=True),
-        "temperature": boxes.spectra(_temperature(norm), of_contrast=True),
     }
+    if not all(periodic):
+        return result | _one_point(boxes, norm, bins=bins) | {"periodic": list(periodic), **edges.result()}
+    result["gas_density"] = boxes.spectra(_density(norm), of_contrast=True)
+    result["temperature"] = boxes.spectra(_temperature(norm), of_contrast=True)
     for c, name in enumerate(VELOCITIES[:3], start=1):
         result[name] = boxes.spectra(lambda read, c=c: read(c), of_contrast=False)
     speed = lambda read: np.sqrt(np.square(read(slice(1, 4))).sum(axis=0))  # noqa: E731
@@ -212,6 +228,44 @@ def compare(pred: Any, true: Any, norm: Normalization, *, bins: int = 40) -> dic
                 values = [v for v in result[field][stat][lo - 1 : min(hi, last)] if v is not None]
                 result["summary"][f"{field}_{stat}_{name}"] = float(np.median(values)) if values else None
     return result
+
+
+NOT_PERIODIC = "not applicable: the box is not periodic along every axis (a spectrum would see its faces as a jump)"
+
+
+class _FaceDistances:
+    """L1 summed by a voxel's distance from the nearest face along the axes that are not periodic (0: on the face)."""
+
+    def __init__(self, shape: tuple[int, ...], periodic: tuple[bool, ...]) -> None:
+        self.open = [not p for p in periodic]
+        far = max(shape)  # a periodic axis is never the nearest
+        self.along = [
+            np.minimum(np.arange(n), np.arange(n)[::-1]) if o else np.full(n, far)
+            for n, o in zip(shape, self.open, strict=True)
+        ]
+        self.sums, self.counts = np.zeros((len(HYDRO_CHANNELS), far + 1)), np.zeros(far + 1)
+
+    def add(self, diff: np.ndarray, planes: slice) -> None:
+        if not any(self.open):
+            return
+        x, y, z = self.along[0][planes], self.along[1], self.along[2]
+        distance = np.minimum(np.minimum(x[:, None, None], y[None, :, None]), z[None, None, :]).ravel()
+        self.counts += np.bincount(distance, minlength=self.counts.size)
+        for c in range(diff.shape[0]):
+            self.sums[c] += np.bincount(distance, weights=diff[c].ravel(), minlength=self.counts.size)
+
+    def result(self) -> dict[str, Any]:
+        found = np.flatnonzero(self.counts)
+        l1 = self.sums[:, found] / self.counts[found]
+        return {
+            "spectra": NOT_PERIODIC,
+            "edges": {
+                "distance": found.tolist(),
+                "voxels": self.counts[found].astype(int).tolist(),
+                "l1_mean": l1.mean(axis=0).tolist(),
+                "l1": {name: l1[c].tolist() for c, name in enumerate(HYDRO_CHANNELS)},
+            },
+        }
 
 
 def _one_point(boxes: _Boxes, norm: Normalization, *, bins: int) -> dict[str, Any]:
@@ -257,7 +311,7 @@ def _one_point(boxes: _Boxes, norm: Normalization, *, bins: int) -> dict[str, An
         "temperature_density_plane": {
             "log10_density_edges": plane_edges[0].tolist(),
             "log10_T_edges": plane_edges[1].tolist(),
-            **{which: (p / boxes.side**3).tolist() for which, p in planes.items()},
+            **{which: (p / boxes.voxels).tolist() for which, p in planes.items()},
         },
     }
 
@@ -312,72 +366,13 @@ def k_ranges(nyquist: int) -> dict[str, tuple[int, int]]:
     return {name: (lo, hi) for name, (lo, hi) in ranges.items() if lo <= hi}
 
 
-def spectra_table(metrics: dict[str, Any], max_rows: int = 32) -> str:
-    """P_pred / P_true and r(k) per k for gas density and temperature, then the medians over the named ranges.
-    Boxes with more than ``max_rows`` shells show log-spaced k (metrics.json holds every k)."""
-    k = metrics["gas_density"]["k"]
-    shown = (
-        range(len(k)) if len(k) <= max_rows else sorted({int(round(i)) for i in np.geomspace(1, len(k), max_rows) - 1})
-    )
-    lines = [f"{'k':>5}  {'gas density P/P':>15}  {'r':>6}  {'temperature P/P':>15}  {'r':>6}"]
-    for i in shown:
-        row = [_shown(metrics[f][stat][i]) for f in FIELDS for stat in ("power_ratio", "r")]
-        lines.append(f"{k[i]:>5}  {row[0]:>15}  {row[1]:>6}  {row[2]:>15}  {row[3]:>6}")
-    if len(shown) < len(k):
-        lines.append(f"({len(shown)} of {len(k)} shells shown; metrics.json holds every k)")
-    cuts = [
-        f"{f.replace('_', ' ')} from k {metrics[f]['truth_cutoff_k'] + 1}"
-        for f in FIELDS
-        if metrics[f]["truth_cutoff_k"] is not None
-    ]
-    if cuts:
-        lines.append(f"(left out of the medians, beyond the truth's cut-off: {', '.join(cuts)})")
-    lines.append("medians over k ranges (units of the fundamental mode 2 pi / L):")
-
-    def medians(field: str, k_range: str) -> str:
-        values = [metrics["summary"][f"{field}_{stat}_{k_range}"] for stat in ("power_ratio", "r")]
-        return "P/P {}, r {}".format(*map(_shown, values))
-
-    for name, (lo, hi) in metrics["k_ranges"].items():
-        label = f"{name.replace('_', ' ')} (k {lo}-{hi})"
-        cells = [f"{f.replace('_', ' ')} {medians(f, name)}" for f in FIELDS]
-        lines.append(f"  {label:<28} {'; '.join(cells)}")
-    lines.append("gas velocities (of the field itself, not a contrast), medians over the same k ranges:")
-    for name, (lo, hi) in metrics["k_ranges"].items():
-        label = f"{name.replace('_', ' ')} (k {lo}-{hi})"
-        cells = [f"{v} {medians(v, name)}" for v in VELOCITIES]
-        lines.append(f"  {label:<28} {'; '.join(cells)}")
-    return "\n".join(lines + _target_lines(metrics["target"]))
-
-
-def _shown(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _target_lines(target: dict[str, Any]) -> list[str]:
-    """The science target's verdict per field, the speed's figures beside them, and the verdict of all."""
-    lines = [
-        f"science target, every shell k 1-{target['k_max']}: P/P within {target['power_tolerance']:.0%}, "
-        f"r >= {target['min_r']}:"
-    ]
-    for f in (*target["fields"], "speed"):
-        t = target[f]
-        if t["met"] is None:
-            lines.append(f"  {f.replace('_', ' '):<12} no fluctuations in the truth: not judged")
-            continue
-        verdict = ("met" if t["met"] else "not met") if t["judged"] else "reported, not judged"
-        lines.append(
-            f"  {f.replace('_', ' '):<12} P/P {t['power_ratio_min']:.3f}-{t['power_ratio_max']:.3f}, "
-            f"r >= {t['r_min']:.3f}: {verdict}"
-        )
-    missed = [f.replace("_", " ") for f in target["fields"] if target[f]["met"] is False]
-    unjudged = "" if all(target[f]["met"] is not None for f in target["fields"]) else " judged"
-    if target["met"] is None:
-        lines.append("science target: no field to judge (the truth has no fluctuations)")
-    else:
-        lines.append(
-            f"science target not met by {', '.join(missed)}"
-            if missed
-            else f"science target met by every{unjudged} field"
-        )
-    return lines
+def edge_margin(edges: dict[str, Any], *, interior_from: int, tolerance: float = 0.1) -> int | None:
+    """The voxels from the faces within which L1 exceeds the interior's (the voxels ``interior_from`` or more from
+    every face) by more than ``tolerance``; None where the box has no such interior."""
+    distance, voxels, l1 = (np.asarray(edges[k]) for k in ("distance", "voxels", "l1_mean"))
+    inside = distance >= interior_from
+    if not inside.any():
+        return None
+    interior = float((l1[inside] * voxels[inside]).sum() / voxels[inside].sum())
+    worse = distance[~inside & (l1 > (1 + tolerance) * interior)]
+    return int(worse.max()) + 1 if worse.size else 0

@@ -6,6 +6,7 @@ the layout that reads crops fastest (docs/data.md, At full scale).
 
 writes ``<prefix>_data.npy`` (inputs) and ``<prefix>_label.npy`` (targets) for each file, a slab of the box at a time
 so that memory stays at a slab; a node-local ``--out_dir`` makes each node's copy (``srun --ntasks-per-node 1``).
+Files the project did not write are never replaced, and what a killed conversion left is reclaimed by the next one.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from common.cli import ArgumentParser, existing_file, output_dir, output_file
-from common.files import written_atomically
+from common.files import reclaim, temporaries, written_atomically
 from common.hold import HeldError, hold_file
+from common.outputs import OutputError, claim_files, refuse_inputs
 from pipeline.bricks import to_bricks
 from pipeline.volumes import DataError, VolumeFiles, VolumePair
 
@@ -47,19 +49,35 @@ def _write(source, out: np.ndarray, layout: str, *, brick: int) -> None:
             out[x // brick] = to_bricks(slab, brick)[0]  # one row of bricks
 
 
+def outputs(out_prefix: Path) -> list[Path]:
+    """The .npy pair written for ``out_prefix``: inputs, then targets."""
+    return [out_prefix.with_name(f"{out_prefix.name}_{suffix}.npy") for suffix in ("data", "label")]
+
+
+def reclaim_partials(out_prefix: Path) -> str:
+    """Remove what conversions to ``out_prefix`` that were killed left under temporary names; the line saying so."""
+    found = temporaries(out_prefix.parent, [p.name for p in outputs(out_prefix)])
+    return reclaim(found, what="what killed conversions left")
+
+
 def convert(
     h5_path: Path, out_prefix: Path, layout: str, *, brick: int = BRICK, overwrite: bool = False
 ) -> tuple[Path, Path]:
     """The .npy pair of ``h5_path``; DataError, before anything is written, for a file the trainer would refuse, a
-    box that bricks do not tile, or outputs that exist (unless ``overwrite``)."""
+    box that bricks do not tile, an output that is the input, or outputs that exist (unless ``overwrite``, and never
+    a file the project did not write)."""
+    paths = outputs(out_prefix)
+    try:
+        refuse_inputs(paths, [h5_path])
+    except OutputError as err:
+        raise DataError(str(err)) from None
     volumes = VolumePair.open(VolumeFiles.hdf5(h5_path), None, None, crop_size=1)
     if layout == "bricks" and volumes.box_size % brick:
         raise DataError(f"{h5_path}: a {volumes.box_size}^3 box is not a whole number of {brick}^3 bricks: --brick")
-    paths = [out_prefix.with_name(f"{out_prefix.name}_{suffix}.npy") for suffix in ("data", "label")]
-    existing = [str(p) for p in paths if p.exists()]
-    if existing and not overwrite:
-        verb = "exists" if len(existing) == 1 else "exist"
-        raise DataError(f"{' and '.join(existing)} {verb}: --overwrite replaces them, or choose another --out_prefix")
+    try:
+        claim_files(paths, by="pipeline.convert", overwrite=overwrite, advice="choose another --out_prefix")
+    except OutputError as err:
+        raise DataError(str(err)) from None
     # Both outputs are renamed into place only once both are written: a pair is never half old, half new.
     with written_atomically(paths[0]) as data, written_atomically(paths[1]) as label:
         for source, partial in zip((volumes.nbody, volumes.hydro), (data, label), strict=True):
@@ -79,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     where.add_argument("--out_dir", type=output_dir, help="writes <dir>/<name>_data.npy, <dir>/<name>_label.npy each")
     parser.add_argument("--layout", choices=LAYOUTS, default="bricks", help="npy_layout of the files written")
     parser.add_argument("--brick", type=int, default=BRICK, help="with --layout bricks: the side of a brick")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    parser.add_argument("--overwrite", action="store_true", help="replace outputs an earlier conversion wrote")
     args = parser.parse_args(argv)
     if args.out_prefix is not None and len(args.h5_paths) > 1:
         parser.error("--out_prefix names one file's outputs: use --out_dir for several")
@@ -87,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     for h5_path, prefix in zip(args.h5_paths, prefixes, strict=True):
         try:
             with hold_file(prefix, "wait for it to end, or choose another output"):
+                if reclaimed := reclaim_partials(prefix):  # the hold: no live conversion writes them
+                    print(reclaimed)
                 written = convert(h5_path, prefix, args.layout, brick=args.brick, overwrite=args.overwrite)
         except (DataError, HeldError) as err:
             parser.error(str(err))

@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from common.files import size_text
 from pipeline.volumes import DataError
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,8 @@ def shared_array(node: Node, name: str, *, shape: tuple[int, ...], fill: Callabl
         if nbytes > free.f_bavail * free.f_frsize:
             size = free.f_blocks * free.f_frsize
             raise OSError(
-                f"{nbytes / 2**30:.2f} GiB do not fit in {SHM} ({free.f_bavail * free.f_frsize / 2**30:.2f} GiB free "
-                f"of {size / 2**30:.2f} GiB): use storage 'lazy', or enlarge {SHM}"
+                f"{size_text(nbytes)} do not fit in {SHM} ({size_text(free.f_bavail * free.f_frsize)} free of "
+                f"{size_text(size)}): use storage 'lazy', or enlarge {SHM}"
             )
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # EEXIST: a name two runs share, never reused
         try:
@@ -90,7 +91,7 @@ def shared_array(node: Node, name: str, *, shape: tuple[int, ...], fill: Callabl
         except OSError as err:
             if err.errno == errno.EFBIG:
                 raise OSError(
-                    f"the shared copy {path} ({nbytes / 2**30:.2f} GiB) exceeds this process's file size limit "
+                    f"the shared copy {path} ({size_text(nbytes)}) exceeds this process's file size limit "
                     "(ulimit -f): raise it, or use storage 'lazy'"
                 ) from None
             raise

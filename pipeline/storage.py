@@ -13,18 +13,13 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from common.files import size_text
 from pipeline.backends import TORCH
 from pipeline.crops import CropBatcher
 from pipeline.shared import Node, shared_array
 from pipeline.volumes import DataError, VolumePair
 
 log = logging.getLogger(__name__)
-
-_GIB = 2**30
-
-
-def size_text(nbytes: float) -> str:
-    return f"{nbytes / _GIB:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def available_host_bytes() -> int | None:

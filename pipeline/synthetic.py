@@ -22,6 +22,7 @@ import numpy as np
 
 from common.cli import ArgumentParser, output_dir
 from common.files import written_atomically
+from common.outputs import OutputError, claim_files
 from pipeline.layout import HYDRO_CHANNELS, HYDRO_DATASET, LOG_DENSITY_SCALE, NBODY_CHANNELS, NBODY_DATASET
 from pipeline.volumes import DataError, read_hdf5
 
@@ -242,6 +243,15 @@ def ensure_boxes(spec: SyntheticSpec, train_path: str | Path, val_path: str | Pa
     return [(which, path) for which, path in paths.items() if ensure_box(path, spec, which)]
 
 
+def _is_synthetic_box(path: Path) -> bool:
+    """Whether ``path`` is a box this module wrote: an HDF5 file that names it as its generator."""
+    try:
+        with read_hdf5(path) as f:
+            return f.attrs.get("generator") == "pipeline.synthetic"
+    except OSError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m pipeline.synthetic", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -249,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     for f in dataclasses.fields(SyntheticSpec):
         parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=f.metadata["help"])
+    parser.add_argument("--overwrite", action="store_true", help="write boxes this project wrote there before again")
     args = parser.parse_args(argv)
     spec = SyntheticSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SyntheticSpec)})
     if problem := spec.problem():
@@ -256,6 +267,19 @@ def main(argv: list[str] | None = None) -> None:
     for which, (box_size, seed) in boxes(spec).items():
         start = time.perf_counter()
         path = args.out_dir / f"{which}.h5"
+        if path.exists() and not args.overwrite and _is_synthetic_box(path):
+            print(f"{path} exists: kept (--overwrite writes it again)")
+            continue
+        try:
+            claim_files(
+                [path],
+                by="pipeline.synthetic",
+                overwrite=True,
+                legacy=_is_synthetic_box,
+                advice="choose another --out_dir",
+            )
+        except OutputError as err:
+            parser.error(str(err))
         write_box(path, spec, box_size, seed=seed)
         print(f"wrote {path}: {box_size}^3, seed {seed}, {time.perf_counter() - start:.1f} s")
 

@@ -221,6 +221,7 @@ def test_bad_input_to_a_benchmark_is_one_line(tmp_path):
 
 def _record(**kw):
     base = {
+        "bench": "train",
         "device": "cpu",
         "run_id": "1",
         "sweep": "baseline",

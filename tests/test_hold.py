@@ -182,16 +182,16 @@ def test_records_are_not_appended_into_a_file_another_benchmark_holds(tmp_path, 
     import bench.env
 
     path = tmp_path / "train.jsonl"
-    path.write_text('{"a": 1}\n')
+    path.write_text('{"bench": "a"}\n')
     monkeypatch.setattr(bench.env, "APPEND_WAIT_S", 0.3)
     with hold_file(path, ""), pytest.raises(SystemExit) as exit_:
-        bench.env.append_records(path, [{"b": 2}])
+        bench.env.append_records(path, [{"bench": "b"}])
     assert exit_.value.code == 2
     out, err = capsys.readouterr()
-    assert out == '{"b": 2}\n' and f"{path} is held by process {os.getpid()}" in err
-    assert path.read_text() == '{"a": 1}\n'
-    bench.env.append_records(path, [{"b": 2}])
-    assert path.read_text() == '{"a": 1}\n{"b": 2}\n'
+    assert out == '{"bench": "b"}\n' and f"{path} is held by process {os.getpid()}" in err
+    assert path.read_text() == '{"bench": "a"}\n'
+    bench.env.append_records(path, [{"bench": "b"}])
+    assert path.read_text() == '{"bench": "a"}\n{"bench": "b"}\n'
 
 
 def test_default_run_directories_started_in_one_second_are_two(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.outputs import MARK
 from pipeline.bricks import to_bricks
 from pipeline.crops import CropBatcher
 from pipeline.dali import BatcherCrops, DaliLoader
@@ -319,7 +320,7 @@ def test_convert_writes_npy_the_npy_format_reads(tmp_path, tiny_data, volumes, l
     monkeypatch.undo()
     assert [data.stat().st_mtime_ns, label.stat().st_mtime_ns] == stamps
     convert(tiny_data["val"], tmp_path / "train", layout, overwrite=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["train_data.npy", "train_label.npy"]  # no partial files
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARK, "train_data.npy", "train_label.npy"]  # no partials
     with pytest.raises(DataError, match="not a readable HDF5 file"):
         convert(data, tmp_path / "other", layout)  # an .npy file is not the HDF5 the converter reads
 
@@ -391,6 +392,7 @@ def test_convert_writes_several_files_into_a_directory_as_bricks_by_default(tmp_
 
     convert_main([str(tiny_data["train"]), str(tiny_data["val"]), "--out_dir", str(tmp_path), "--brick", "16"])
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        MARK,
         "train_data.npy",
         "train_label.npy",
         "val_data.npy",

@@ -14,12 +14,15 @@ import pytest
 import torch
 
 from common.hold import hold_directory, hold_file
+from common.outputs import MARK
 from model import UNet, figures
+from model.blocks import predict_volume
 from model.emulator import Emulator, EmulatorSpec, export, from_run_dir, from_weights
 from model.emulator import main as export_main
-from model.metrics import Normalization, _shells, compare, contrast, spectra, spectra_table
+from model.metrics import Normalization, _shells, compare, contrast, edge_margin, spectra
 from model.predict import main as predict_main
-from model.tiling import periodic_window, predict_box, tile_starts
+from model.report import spectra_table
+from model.tiling import Axis, Tiling
 from pipeline.convert import main as convert_main
 from pipeline.layout import LOG_DENSITY_SCALE
 from pipeline.synthetic import SyntheticSpec, write_box
@@ -43,28 +46,51 @@ def _smooth_volume(box, seed=0):
     return np.real(np.fft.ifftn(np.fft.fftn(noise, axes=(1, 2, 3)) * kernel, axes=(1, 2, 3))).astype(np.float32) * 5
 
 
+def _predicted(net, volume, *, overlap=4, crop=16, **tiling):
+    """The whole box blended from tiles, as model.predict and the validation's science metrics blend it."""
+    out = np.empty((5, *volume.shape[1:]), np.float32)
+    tiles = Tiling(shape=volume.shape[1:], crop=crop, overlap=overlap, **tiling)
+    predict_volume(net, volume, tiles, out=out, batch=8, device=CPU)
+    return out
+
+
 def test_tiling_reproduces_the_direct_prediction_when_the_box_fits_in_one_crop():
     net, volume = _net(), _smooth_volume(16)
     with torch.no_grad():
         direct = net(torch.from_numpy(volume)[None])[0].numpy()
-    assert np.array_equal(predict_box(net, volume, 5, crop=16, overlap=4, batch=2, device=CPU), direct)
+    assert np.array_equal(_predicted(net, volume, overlap=4), direct)
 
 
-def test_periodic_windows_wrap_around():
-    volume = np.arange(2 * 5**3, dtype=np.float32).reshape(2, 5, 5, 5)
-    window = periodic_window(volume, (3, 4, 0), 4)
-    index = [(3 + i) % 5 for i in range(4)], [(4 + i) % 5 for i in range(4)], list(range(4))
-    assert np.array_equal(window, volume[:, index[0]][:, :, index[1]][:, :, :, index[2]])
-    assert tile_starts(48, 16, 4) == [0, 12, 24, 36] and tile_starts(16, 16, 4) == [0]
+def test_tiles_read_the_box_wrapped_or_mirrored_about_its_faces():
+    """Along a periodic axis the tiles wrap around; along one that is not, they read the mirror image of the box
+    about its face (numpy's "symmetric" padding), the vector component along that axis negated."""
+    volume = np.arange(4 * 5 * 6 * 7, dtype=np.float32).reshape(4, 5, 6, 7)
+    tiling = Tiling(shape=(5, 6, 7), crop=4, overlap=1, periodic=(True, False, False), pad=2, vectors=((1, 2, 3),))
+    got = tiling.read(volume, (3, -2, -3), (9, 10, 13))
+    expected = np.pad(volume, ((0, 0), (0, 0), (2, 2), (3, 3)), mode="symmetric")
+    expected = np.take(expected, [(3 + i) % 5 for i in range(9)], axis=1, mode="wrap")
+    mirrored_y = np.r_[[True] * 2, [False] * 6, [True] * 2]
+    mirrored_z = np.r_[[True] * 3, [False] * 7, [True] * 3]
+    expected[2, :, mirrored_y] *= -1
+    expected[3, :, :, mirrored_z] *= -1
+    assert np.array_equal(got, expected)
+    assert Axis(size=48, crop=16, overlap=4, periodic=True).starts == [0, 12, 24, 36]
+    assert Axis(size=16, crop=16, overlap=4, periodic=True).starts == [0]
+    assert Axis(size=40, crop=16, overlap=4, periodic=False, pad=4).starts == [-4, 8, 20, 32]  # to 48: 40 + 2 pads
+    assert tiling.blocks == [(0, 3), (3, 5)] and tiling.rows_reaching(1) == [0, 1]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny model trained for two epochs: its mapping is local, and crop faces are where it errs."""
+    """A tiny model trained for two epochs: its mapping is local, and crop faces are where it errs. Its run directory
+    holds a file of the user's, which the run, told to write beside it, leaves as it was."""
     root = tmp_path_factory.mktemp("trained")
     data, run = root / "data", root / "run"
-    result = run_train(tiny_args(data / "train.h5", data / "val.h5", run, "--num_epochs", "2"))
+    run.mkdir()
+    (run / "notes.txt").write_text("the user's")
+    result = run_train(tiny_args(data / "train.h5", data / "val.h5", run, "--num_epochs", "2", "--beside"))
     assert result.returncode == 0, result.stderr[-2000:]
+    assert (run / "notes.txt").read_text() == "the user's"
     return {"run": run, "train": data / "train.h5", "val": data / "val.h5"}
 
 
@@ -76,12 +102,18 @@ def _centre_reference(net, volume, crop, centre):
     with torch.no_grad():
         for first in range(0, len(corners), 128):
             group = corners[first : first + 128]
-            tiles = [periodic_window(volume, tuple((c - offset) % box for c in corner), crop) for corner in group]
+            tiles = [_wrapped(volume, [c - offset for c in corner], crop) for corner in group]
             for (x, y, z), p in zip(group, net(torch.from_numpy(np.stack(tiles))).numpy(), strict=True):
                 out[:, x : x + centre, y : y + centre, z : z + centre] = p[
                     :, offset : offset + centre, offset : offset + centre, offset : offset + centre
                 ]
     return out
+
+
+def _wrapped(volume, corner, size):
+    """The (C, size^3) window of a periodic volume at ``corner``."""
+    index = [np.arange(c, c + size) % n for c, n in zip(corner, volume.shape[1:], strict=True)]
+    return volume[:, index[0]][:, :, index[1]][:, :, :, index[2]]
 
 
 def _seam_ratio(pred, reference, starts):
@@ -96,11 +128,10 @@ def test_a_box_of_one_repeated_crop_is_predicted_without_seams(trained):
     with h5py.File(trained["val"]) as f:
         volume = np.tile(f["Nbody"][:, :16, :16, :16], (1, 3, 3, 3))  # one crop, repeated: a periodic box
     reference = _centre_reference(net, volume, crop=16, centre=4)
-    blended = predict_box(net, volume, 5, crop=16, overlap=6, batch=8, device=CPU)
-    hard = predict_box(net, volume, 5, crop=16, overlap=0, batch=8, device=CPU)
-    assert _seam_ratio(blended, reference, tile_starts(48, 16, 6)) < 1.3
+    blended, hard = _predicted(net, volume, overlap=6), _predicted(net, volume, overlap=0)
+    assert _seam_ratio(blended, reference, Axis(size=48, crop=16, overlap=6, periodic=True).starts) < 1.3
     # The check can fail: tiles that do not overlap show their faces (measured: about 3).
-    assert _seam_ratio(hard, reference, tile_starts(48, 16, 0)) > 1.5
+    assert _seam_ratio(hard, reference, Axis(size=48, crop=16, overlap=0, periodic=True).starts) > 1.5
     assert np.abs(blended - reference).mean() < np.abs(hard - reference).mean()
 
 
@@ -121,6 +152,35 @@ def test_power_spectrum_of_white_noise_is_flat_at_its_variance():
     k = s["k"]
     assert s["p_a"][k >= 4] == pytest.approx(np.full((k >= 4).sum(), sigma**2), rel=0.12)
     assert s["p_a"][k >= 4].mean() == pytest.approx(sigma**2, rel=0.02)
+
+
+def test_power_spectra_of_a_box_of_three_sides_take_shells_of_its_shortest_sides_fundamental():
+    """A 24 x 24 x 72 grid: k in units of 2 pi / 24, so a wave of 6 periods along the long side is in shell k = 2,
+    and white noise is flat at its variance up to the short sides' Nyquist, 12."""
+    shape, amplitude = (24, 24, 72), 0.3
+    z = np.arange(shape[2])
+    wave = amplitude * np.cos(2 * np.pi * 6 * z / shape[2]) * np.ones(shape)
+    s = spectra(wave)
+    assert s["k"].tolist() == list(range(1, 13)) and np.flatnonzero(s["p_a"] > 1e-12).tolist() == [1]
+    assert s["p_a"][1] * s["modes"][1] / np.prod(shape) == pytest.approx(amplitude**2 / 2, rel=1e-9)
+    noise = spectra(np.random.default_rng(0).normal(0.0, 0.5, shape))
+    assert np.average(noise["p_a"][2:], weights=noise["modes"][2:]) == pytest.approx(0.25, rel=0.02)  # per mode
+    assert _shells(shape)[1] == 12 and _shells(shape)[0].shape == (24, 24, 37)
+
+
+def test_a_box_that_is_not_periodic_gets_l1_by_distance_from_its_faces_not_spectra():
+    rng = np.random.default_rng(3)
+    true = rng.normal(0, 0.1, (5, 10, 8, 12)).astype(np.float32)
+    error = np.full(10, 0.01, dtype=np.float32)
+    error[[0, 9]] = 0.05  # worse on the two faces along x, the only axis that is not periodic
+    metrics = compare(true + error[None, :, None, None], true, Normalization(3.0), periodic=(False, True, True))
+    assert "gas_density" not in metrics and "target" not in metrics and metrics["spectra"].startswith("not applicable")
+    edges = metrics["edges"]
+    assert edges["distance"] == [0, 1, 2, 3, 4] and edges["voxels"] == [2 * 8 * 12] * 5
+    assert edges["l1_mean"] == pytest.approx([0.05, 0.01, 0.01, 0.01, 0.01], rel=1e-5)
+    assert metrics["l1_mean"] == pytest.approx(0.018, rel=1e-5) and "log_density_pdf" in metrics
+    assert edge_margin(edges, interior_from=3) == 1 and edge_margin(edges, interior_from=9) is None
+    assert spectra_table(metrics).startswith("spectra, r(k) and the science target not applicable")
 
 
 def test_compare_on_identical_and_noisy_boxes():
@@ -330,7 +390,7 @@ def test_export_never_replaces_a_file_unasked_and_bad_sources_are_one_line(train
     assert export_main(["--run_dir", str(run), "--out", str(out)]) == 2
     assert f"{out} exists: --overwrite replaces it" in capsys.readouterr().err and out.stat().st_mtime_ns == stamp
     assert export_main(["--run_dir", str(run), "--out", str(out), "--overwrite"]) == 0
-    assert [p.name for p in tmp_path.iterdir()] == ["emulator.pt"]  # no partial file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARK, "emulator.pt"]  # no partial file left
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"config": {"unet_width"')
@@ -484,7 +544,8 @@ def test_an_export_that_cannot_be_written_replaces_nothing(trained, tmp_path):
     """A file size limit the export exceeds (SIGXFSZ ignored: the write fails): one line, status 2, the earlier
     export as it was, no partial file left."""
     out = tmp_path / "emulator.pt"
-    out.write_bytes(b"an earlier export")
+    assert export_main(["--run_dir", str(trained["run"]), "--out", str(out)]) == 0
+    earlier = out.read_bytes()
     script = (
         f"trap '' XFSZ; ulimit -f 16; exec {sys.executable} -m model.export --run_dir {trained['run']} --out {out} "
         "--overwrite"
@@ -497,20 +558,38 @@ def test_an_export_that_cannot_be_written_replaces_nothing(trained, tmp_path):
         and lines[0].startswith(f"error: {out}: could not be written (")
         and "nothing was replaced" in lines[0]
     )
-    assert out.read_bytes() == b"an earlier export" and [p.name for p in tmp_path.iterdir()] == ["emulator.pt"]
+    assert out.read_bytes() == earlier and sorted(p.name for p in tmp_path.iterdir()) == [MARK, "emulator.pt"]
 
 
-# --- prediction at any size: slabs, ranks, resuming, bounded memory ------------------------------------------------
+# --- prediction at any size and shape: slabs, ranks, resuming, sub-volumes, bounded memory --------------------------
 
 
 @pytest.fixture(scope="module")
 def big_box(trained, tmp_path_factory):
-    """A 48^3 box for the tiny emulator (16^3 tiles, overlap 4): four rows of tiles, four blocks of planes."""
+    """A periodic 48 x 24 x 72 box (a 24^3 one repeated) for the tiny emulator (16^3 tiles, overlap 4): four rows
+    of 2 x 6 tiles, four blocks of planes; its sub-volume of 40 x 24 x 64 from (4, 0, 4), not periodic along x and z,
+    and the same from (6, 0, 6)."""
     root = tmp_path_factory.mktemp("big")
-    spec = SyntheticSpec(train_box_size=48, val_box_size=48, seed=11)
-    write_box(root / "box.h5", spec, 48, seed=11)
+    spec = SyntheticSpec(train_box_size=24, val_box_size=24, seed=11)
+    write_box(root / "cube.h5", spec, 24, seed=11)
+    with h5py.File(root / "cube.h5") as cube:
+        fields = {name: np.tile(cube[name][...], (1, 2, 1, 3)) for name in ("Nbody", "Hydro")}
+        attrs = dict(cube.attrs)
+    paths = {"box": root / "box.h5", "sub": root / "sub.h5", "shifted": root / "shifted.h5"}
+    for name, region in (
+        ("box", np.s_[:, :, :, :]),
+        ("sub", np.s_[:, 4:44, :, 4:68]),
+        ("shifted", np.s_[:, 6:46, :, 6:70]),
+    ):
+        with h5py.File(paths[name], "w") as f:
+            f.attrs.update(attrs)
+            for dataset, values in fields.items():
+                f[dataset] = values[region]
     export(from_run_dir(trained["run"]), root / "emulator.pt")
-    return {"box": root / "box.h5", "weights": root / "emulator.pt"}
+    return {**paths, "weights": root / "emulator.pt"}
+
+
+MIRRORED = ("--boundary", "mirror,periodic,mirror", "--pad", "4")
 
 
 @pytest.fixture(scope="module")
@@ -522,9 +601,19 @@ def one_rank(big_box, tmp_path_factory):
     return _hydro(out)
 
 
-def _predict(big_box, out, *extra, launcher=()):
+@pytest.fixture(scope="module")
+def sub_volume(big_box, tmp_path_factory):
+    """The sub-volume predicted by one rank with mirrored faces, and evaluated against its truth."""
+    out = tmp_path_factory.mktemp("sub") / "prediction"
+    result = _predict(big_box, out, "--slab_blocks", "1", *MIRRORED, input_=big_box["sub"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"out": out, "hydro": _hydro(out), "stdout": result.stdout}
+
+
+def _predict(big_box, out, *extra, launcher=(), input_=None):
     command = [*launcher, "-m", "model.predict"] if launcher else [sys.executable, "-m", "model.predict"]
-    args = ["--weights", str(big_box["weights"]), "--input", str(big_box["box"]), "--out", str(out), *extra]
+    source = input_ or big_box["box"]
+    args = ["--weights", str(big_box["weights"]), "--input", str(source), "--out", str(out), *extra]
     return subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
@@ -542,24 +631,29 @@ def test_two_ranks_predict_what_one_does_into_one_dataset_of_chunked_slabs(big_b
     )
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = one_rank, _hydro(tmp_path / "two")
-    assert a.shape == (5, 48, 48, 48) and np.isfinite(a).all()
+    assert a.shape == (5, 48, 24, 72) and np.isfinite(a).all()
     assert (np.abs(a - b).max(axis=(1, 2, 3)) <= 1e-5 * a.std(axis=(1, 2, 3))).all()
     with h5py.File(tmp_path / "two" / "prediction.h5", "r", locking=False) as f:
         assert f["Hydro"].is_virtual and len(f["Hydro"].virtual_sources()) == 4  # a slab file per block
         info = json.loads(f.attrs["prediction"])
-        # four rows of 16 tiles: each rank takes the rows that reach its two blocks, one more than its own
-        assert len(info["ranks"]) == 2 and all(r["tiles"] == 3 * 16 for r in info["ranks"])
+        # four rows of 2 x 6 tiles: each rank takes the rows that reach its two blocks, one more than its own
+        assert len(info["ranks"]) == 2 and all(r["tiles"] == 3 * 12 for r in info["ranks"])
+        assert info["shape"] == [48, 24, 72] and info["boundary"] == ["periodic"] * 3 and info["margin"]["voxels"] == 0
     slab = sorted((tmp_path / "two" / "prediction.slabs").glob("slab-*.h5"))[0]
     with h5py.File(slab, "r", locking=False) as f:
-        assert f["Hydro"].chunks == (1, 12, 48, 48) and f["Hydro"].compression == "gzip"
+        assert f["Hydro"].chunks == (1, 12, 24, 64) and f["Hydro"].compression == "gzip"
     assert "2 slab(s) of 2 to do here" in two.stderr
+    metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())  # shells of 2 pi / 24, to Nyquist 12
+    assert metrics["gas_density"]["k"] == list(range(1, 13)) and metrics["target"]["k_max"] == 3
 
 
-def test_a_killed_prediction_continues_from_its_finished_slabs_to_the_same_values(big_box, one_rank, tmp_path):
+def test_a_killed_prediction_of_a_sub_volume_continues_from_its_finished_slabs_to_the_same_values(
+    big_box, sub_volume, tmp_path
+):
     out = tmp_path / "killed"
-    command = [sys.executable, "-m", "model.predict", "--weights", str(big_box["weights"]), "--input"]
+    command = [sys.executable, "-m", "model.predict", "--weights", str(big_box["weights"]), *MIRRORED, "--input"]
     proc = subprocess.Popen(
-        [*command, str(big_box["box"]), "--out", str(out), "--slab_blocks", "1", "--batch", "1"], cwd=REPO
+        [*command, str(big_box["sub"]), "--out", str(out), "--slab_blocks", "1", "--batch", "1"], cwd=REPO
     )
     try:
         wait_until(proc, lambda: len(list((out / "prediction.slabs").glob("slab-*.h5"))) >= 2, 120, "no slab written")
@@ -568,11 +662,65 @@ def test_a_killed_prediction_continues_from_its_finished_slabs_to_the_same_value
     finally:
         proc.kill()
     assert not (out / "prediction.h5").exists()  # nothing under the final name before the whole is there
-    resumed = _predict(big_box, out, "--slab_blocks", "1")
+    resumed = _predict(big_box, out, "--slab_blocks", "1", *MIRRORED, input_=big_box["sub"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     done = int(re.search(r"(\d) slab\(s\) of 4 to do here", resumed.stderr)[1])
     assert done <= 2  # the finished ones kept
-    assert np.array_equal(_hydro(out), one_rank)
+    assert np.array_equal(_hydro(out), sub_volume["hydro"])
+
+
+def _interior(values, crop=16):
+    """The voxels of a sub-volume's prediction a crop or more from its faces along x and z."""
+    return values[:, crop:-crop, :, crop:-crop]
+
+
+def test_a_sub_volume_predicts_the_whole_boxs_values_inside_and_says_its_margin(big_box, one_rank, sub_volume):
+    """Cut at (4, 0, 4), the sub-volume's tiles fall on the whole box's grid (they start a pad of 4 before it): a
+    crop or more from its faces it predicts the whole box's values, to float rounding. At its faces its error
+    against the truth is measured by distance, and the margin where it exceeds the interior's by 10% given."""
+    sub, whole = sub_volume["hydro"], one_rank[:, 4:44, :, 4:68]
+    spread = whole.std(axis=(1, 2, 3))[:, None, None, None]
+    assert sub.shape == (5, 40, 24, 64) and np.isfinite(sub).all()
+    assert (np.abs(_interior(sub) - _interior(whole)) <= 1e-5 * spread).all()
+    assert (np.abs(sub - whole).max(axis=(1, 2, 3)) > 1e-3 * spread.ravel()).any()  # the faces see mirrored context
+    metrics = json.loads((sub_volume["out"] / "metrics.json").read_text())
+    with h5py.File(big_box["sub"]) as f:
+        truth = f["Hydro"][...]
+    distance = np.minimum.outer(
+        np.minimum(np.arange(40), np.arange(40)[::-1]), np.minimum(np.arange(64), np.arange(64)[::-1])
+    )
+    error = np.abs(sub.astype(np.float64) - truth).mean(axis=(0, 2))  # (x, z)
+    edges = metrics["edges"]
+    expected = [error[distance == d].mean() for d in edges["distance"]]
+    assert edges["distance"] == list(range(20)) and edges["l1_mean"] == pytest.approx(expected, rel=1e-6)
+    interior = np.average(np.asarray(edges["l1_mean"])[16:], weights=np.asarray(edges["voxels"])[16:])
+    found = metrics["margin"]["voxels"]
+    assert 0 <= found <= 16 and all(v <= 1.1 * interior for v in edges["l1_mean"][found:16])
+    assert found == 0 or edges["l1_mean"][found - 1] > 1.1 * interior
+    assert "gas_density" not in metrics and metrics["spectra"].startswith("not applicable")
+    assert "spectra, r(k) and the science target not applicable" in sub_volume["stdout"]
+    assert not (sub_volume["out"] / "spectra.png").exists() and (sub_volume["out"] / "phases.png").is_file()
+    with h5py.File(sub_volume["out"] / "prediction.h5", "r", locking=False) as f:
+        info = json.loads(f.attrs["prediction"])
+    assert info["boundary"] == ["mirror", "periodic", "mirror"] and info["pad"] == 4 and info["margin"]["voxels"] == 1
+
+
+def test_a_sub_volume_off_the_whole_boxs_grid_differs_inside_by_no_more_than_moving_the_grid(big_box, one_rank):
+    """Cut at (6, 0, 6), its tiles start 2 voxels off the whole box's grid: inside, it differs from the whole box's
+    prediction as much as the whole box predicted on a grid moved by 2 does, and equals that one to float rounding."""
+    net = from_weights(big_box["weights"]).model
+    with h5py.File(big_box["box"]) as f:
+        volume = f["Nbody"][...]
+    with h5py.File(big_box["shifted"]) as f:
+        cut = f["Nbody"][...]
+    moved = np.roll(_predicted(net, np.roll(volume, -2, axis=(1, 3))), 2, axis=(1, 3))[:, 6:46, :, 6:70]
+    sub = _predicted(net, cut, overlap=4, periodic=(False, True, False), pad=4)
+    whole = one_rank[:, 6:46, :, 6:70]
+    spread = np.abs(_interior(moved) - _interior(whole)).max(axis=(1, 2, 3))
+    scale = whole.std(axis=(1, 2, 3))
+    assert (spread > 1e-4 * scale).all()  # moving the grid moves the values
+    assert (np.abs(_interior(sub) - _interior(moved)).max(axis=(1, 2, 3)) <= 1e-5 * scale).all()
+    assert (np.abs(_interior(sub) - _interior(whole)).max(axis=(1, 2, 3)) <= spread + 1e-5 * scale).all()
 
 
 MEMORY = """

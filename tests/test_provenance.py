@@ -30,7 +30,8 @@ def test_a_copy_inside_another_checkout_does_not_take_its_commit(tmp_path):
     _git(outer, "add", "notes.txt")
     _git(outer, "commit", "-q", "-m", "outer")
     project = outer / "copy"
-    shutil.copytree(REPO / "trainer", project / "trainer", ignore=shutil.ignore_patterns("__pycache__"))
+    for layer in ("trainer", "common"):  # the trainer and what it stands on
+        shutil.copytree(REPO / layer, project / layer, ignore=shutil.ignore_patterns("__pycache__"))
     assert _git(project, "rev-parse", "--short", "HEAD")  # git would answer with the outer checkout's commit
     assert _commit_seen_from(project) == "unknown"
     # The copy carries the commit it was made from, written in the repository before copying (a stamp there

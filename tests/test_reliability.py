@@ -212,9 +212,11 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(data, tmp_path):
     result = run_train(["--run_dir", str(run), "--resume"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"took over the hold of process {proc.pid} (ds_train.py)" in result.stderr  # the killed run's, at once
+    reclaimed = f"reclaimed what killed saves left in {ckpt}: .step00000004.partial ("
+    assert len([line for line in result.stderr.splitlines() if reclaimed in line]) == 1  # at the start, said once
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from"] == {"epoch": 1, "batch_in_epoch": 0} and summary["finished"]
-    assert not list(ckpt.glob(".*.partial"))  # the leftover was cleaned up by the next save
+    assert not list(ckpt.glob(".*.partial"))
 
 
 def _digest(run):

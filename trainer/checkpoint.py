@@ -32,11 +32,12 @@ import torch
 import torch.distributed as torch_dist
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 
-from common.files import fsync_path, write_text_atomically
+from common.files import fsync_path, size_text, write_text_atomically
 from model.checkpoints import (
     CHECKPOINT_DIR,
     LATEST,
-    TAG_PREFIX,
+    PARTIAL_SAVE,
+    REPLACED,
     checkpoint_tags,
     is_verifiable,
     latest_tag,
@@ -97,7 +98,7 @@ def _why(err: Exception | None, directory: Path) -> str:
         return f"a file reached this process's file size limit of {limit:,} bytes, ulimit -f"
     free = shutil.disk_usage(directory.parent).free
     said = re.sub(r"^\[enforce fail at [^]]*\]\s*\.?\s*", "", " ".join(str(err).split()))
-    return f"a write failed with {free / 2**30:.1f} GiB free there: {said[:50]}"
+    return f"a write failed with {size_text(free)} free there: {said[:50]}"
 
 
 def _failed(tag: str, ckpt_dir: Path, err: Exception | None) -> CheckpointError:
@@ -113,7 +114,7 @@ def _publish(ckpt_dir: Path, partial: str, tag: str) -> None:
     failure part way puts the new one back where it was, so that the caller can remove it."""
     write_manifest(ckpt_dir / partial)
     fsync_path(ckpt_dir / partial)
-    old = ckpt_dir / f".{tag}.replaced"
+    old = ckpt_dir / REPLACED.format(tag=tag)
     if (ckpt_dir / tag).exists():
         os.replace(ckpt_dir / tag, old)
     try:
@@ -232,7 +233,7 @@ class Checkpointer:
                 failed = err
         if _on_any_rank(failed, engine.device):
             raise _failed(tag, ckpt_dir, failed)
-        partial = f".{tag}.partial"
+        partial = PARTIAL_SAVE.format(tag=tag)
         try:
             engine.save_checkpoint(str(ckpt_dir), tag=partial, client_state=client_state, save_latest=False)
         except (OSError, RuntimeError) as err:
@@ -261,7 +262,7 @@ class Checkpointer:
     def _publish(self, tag: str) -> None:
         """Rank 0, in the background: its files on disk, then the checkpoint made the latest, the oldest pruned."""
         try:
-            partial = self.ckpt_dir / f".{tag}.partial"
+            partial = self.ckpt_dir / PARTIAL_SAVE.format(tag=tag)
             _fsync_own_files(partial, 0)
             _publish(self.ckpt_dir, partial.name, tag)
             _prune(self.ckpt_dir, self.settings.keep)
@@ -283,17 +284,15 @@ class Checkpointer:
     def _fail(self, tag: str, failed: Exception | None) -> None:
         error = _failed(tag, self.ckpt_dir, failed)  # said while what was written is still there to measure
         if self.rank == 0:
-            shutil.rmtree(self.ckpt_dir / f".{tag}.partial", ignore_errors=True)
+            shutil.rmtree(self.ckpt_dir / PARTIAL_SAVE.format(tag=tag), ignore_errors=True)
         raise error
 
 
 def _prune(ckpt_dir: Path, keep: int) -> None:
-    """Keep the newest ``keep`` complete checkpoints; remove the rest and any partial leftovers."""
+    """Keep the newest ``keep`` complete checkpoints; remove the rest (a killed save's leftovers are reclaimed, and
+    said, when the next run starts: ``model.checkpoints.reclaim_temporaries``)."""
     for old in checkpoint_tags(ckpt_dir.parent)[:-keep]:
         shutil.rmtree(ckpt_dir / old)
-    for pattern in (f".{TAG_PREFIX}*.partial", f".{TAG_PREFIX}*.replaced"):
-        for leftover in ckpt_dir.glob(pattern):
-            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def choose_checkpoint(run_dir: Path) -> str:

@@ -7,6 +7,7 @@ import torch
 
 from common.hold import HeldError
 from common.launch import DistError
+from common.outputs import OutputError
 from pipeline.volumes import DataError
 
 
@@ -26,8 +27,8 @@ class NumericalError(RuntimeError):
     """Training produced numbers it cannot continue from (NaN or Inf losses, NaN weights)."""
 
 
-# Bad input: config, data, environment, checkpoint, hostfile, an output another process holds.
-USER_ERRORS = (ConfigError, DataError, DistError, CheckpointError, HostfileError, HeldError)
+# Bad input: config, data, environment, checkpoint, hostfile, an output another process holds or the user wrote.
+USER_ERRORS = (ConfigError, DataError, DistError, CheckpointError, HostfileError, HeldError, OutputError)
 
 
 def out_of_memory(

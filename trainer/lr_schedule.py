@@ -110,15 +110,12 @@ class ScaledCosineSchedule:
         self._apply()
 
 
-# The shapes of ``lr_schedule.shape``, by name.
-SHAPES: dict[str, type[ScaledCosineSchedule]] = {"cosine": ScaledCosineSchedule}
-
-
 def make_schedule(
     optimizer: Optimizer, settings: LRSchedule, *, total_steps: int, global_batch: int, base_batch: int
 ) -> Schedule:
-    """The schedule the config's ``lr_schedule`` section asks for, over ``total_steps`` optimizer steps."""
-    return SHAPES[settings.shape](
+    """The schedule the config's ``lr_schedule`` section asks for, over ``total_steps`` optimizer steps: the one place
+    a schedule is made (another shape is a class following ``Schedule``, chosen here by a key of that section)."""
+    return ScaledCosineSchedule(
         optimizer,
         start_lr=settings.start_lr,
         end_lr=settings.end_lr,

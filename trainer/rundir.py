@@ -3,8 +3,9 @@
 A run holds its directory for its whole life (``common.hold``): another run that wants it is refused, naming the
 holder. A new run never reuses a directory that holds an earlier run unless ``--overwrite`` says so; even then the
 earlier run is only set aside (renamed into ``.overwritten``) and deleted once the new run has passed its
-checks, or put back where it was if the new run stops before that. Records (the resolved config, the summary)
-are replaced atomically.
+checks, or put back where it was if the new run stops before that. Files of the user's in it are refused unless
+``--beside``, and never replaced (``common.outputs``); what killed runs left is reclaimed at the start. Records
+(the resolved config, the summary) are replaced atomically.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from typing import Any
 
 import torch.distributed as torch_dist
 
-from common.files import write_text_atomically
+from common.files import reclaim, temporaries, write_text_atomically
 from common.hold import HeldError, Hold, hold_directory, holder_of
-from model.checkpoints import CHECKPOINT_DIR, RUN_CONFIG
+from common.outputs import OutputError, check_directory, mark, refuse_inputs
+from model.checkpoints import CHECKPOINT_DIR, RUN_CONFIG, reclaim_temporaries
+from model.slabs import earlier_prediction
 from trainer.config import Config, to_dict
 from trainer.dist import DistEnv
 from trainer.errors import ConfigError
@@ -42,6 +45,33 @@ RUN_FILES = (CONFIG, METRICS, ABANDONED_METRICS, SUMMARY, LOG, TENSORBOARD, PROF
 SET_ASIDE = ".overwritten"
 RUNS = Path("runs")
 HELD = "wait for it to end, or choose another --run_dir"
+COMMAND = "ds_train.py"  # what the run directory's mark says wrote its files
+
+
+def _run_config(path: Path) -> bool:
+    """Whether ``path`` is a run's resolved config (``RunDir.start`` writes it)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and isinstance(record.get("config"), dict) and "name" in record
+
+
+def earlier_run(entry: Path) -> bool:
+    """Whether an entry of a run directory from before marks existed is a run's: its files beside a run's resolved
+    config, and a prediction directory of model.predict's default place."""
+    if entry.name == "prediction" and entry.is_dir():
+        return earlier_prediction(entry / "prediction.h5")
+    return entry.name in RUN_FILES and _run_config(entry.parent / CONFIG)
+
+
+def data_files(cfg: Config) -> list[Path]:
+    """The files a run reads its data from: never among its outputs."""
+    if cfg.data_format == "hdf5":
+        names = [cfg.train_path, cfg.val_path]
+    else:
+        names = [cfg.train_path_npy_data, cfg.train_path_npy_label, cfg.val_path_npy_data, cfg.val_path_npy_label]
+    return [Path(name) for name in names if name]
 
 
 def refuse_leftover_set_aside(run_dir: Path) -> None:
@@ -115,20 +145,57 @@ class RunDir:
         return outcome[0], hold
 
     @classmethod
-    def claim(cls, path: Path | None, name: str, dist: DistEnv, *, resume: bool, overwrite: bool) -> RunDir:
+    def claim(
+        cls,
+        path: Path | None,
+        name: str,
+        dist: DistEnv,
+        *,
+        resume: bool,
+        overwrite: bool,
+        beside: bool = False,
+        inputs: list[Path] | None = None,
+    ) -> RunDir:
         """The directory for this run (a new one by default), held by rank 0; an earlier run in it is set aside
-        with ``overwrite``, continued with ``resume``, and otherwise a one-line error."""
+        with ``overwrite``, continued with ``resume``, and otherwise a one-line error; so are files of the user's in
+        it (``beside`` writes beside them) and ``inputs`` among its outputs."""
         path, hold = cls._hold(path, name, dist)
         try:
-            return cls._claim(path, hold, dist, resume=resume, overwrite=overwrite)
+            adopted = cls._check(path, beside=beside, inputs=inputs or [])
+            torch_dist.barrier()  # every rank has looked before rank 0 marks the run's names, before it writes any
+            if dist.is_main:
+                mark(path, [*adopted, *RUN_FILES], by=COMMAND)  # once for good: a run's names are its directory's
+            run = cls._claim(path, hold, dist, resume=resume, overwrite=overwrite)
+            run._reclaim()
+            return run
         except BaseException:
             if hold is not None:
                 hold.release()
             raise
 
+    @staticmethod
+    def _check(path: Path, *, beside: bool, inputs: list[Path]) -> list[str]:
+        """On every rank: no file of the user's among the run's names (nor, without ``beside``, any) and no input
+        among its outputs. The entries of a run from before marks existed, to mark."""
+        refuse_leftover_set_aside(path)
+        try:
+            refuse_inputs([path / entry for entry in RUN_FILES], inputs)
+            advice = "choose another --run_dir"
+            return check_directory(path, RUN_FILES, beside=beside, legacy=earlier_run, advice=advice)
+        except OutputError as err:
+            raise ConfigError(str(err)) from None
+
+    def _reclaim(self) -> None:
+        """Rank 0: what killed runs left (temporaries of its records, of its checkpoints) reclaimed, in a line each;
+        no live process writes there (the hold)."""
+        if not self.dist.is_main:
+            return
+        found = temporaries(self.path, RUN_FILES)
+        for line in filter(None, [reclaim(found, what="what killed runs left"), *reclaim_temporaries(self.path)]):
+            log.warning("%s", line)
+
     @classmethod
     def _claim(cls, path: Path, hold: Hold | None, dist: DistEnv, *, resume: bool, overwrite: bool) -> RunDir:
-        refuse_leftover_set_aside(path)
         earlier = [entry for entry in RUN_FILES if (path / entry).exists()]
         set_aside = bool(earlier) and not resume
         if set_aside:

@@ -18,8 +18,9 @@ import torch.distributed as torch_dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from common.files import size_text
 from common.tensors import precision_name, tensor_digest
-from pipeline.storage import device_bytes, size_text
+from pipeline.storage import device_bytes
 from trainer.build import build_engine, build_loss, run_facts
 from trainer.checkpoint import Checkpointer, Position, load_checkpoint
 from trainer.config import Config

@@ -29,9 +29,6 @@ BackendName = Literal[(BACKEND_AUTO, *BACKENDS)]
 
 @dataclass(kw_only=True)
 class LRSchedule:
-    shape: Literal["cosine"] = _field(
-        "cosine", "after the warm-up: cosine decay from the peak to end_lr (the reference's)"
-    )
     scaling: Literal["sqrt", "linear", "none"] = _field(
         "sqrt", "scale start_lr by sqrt (or linear, or none) of global_batch_size / base_batch_size"
     )
