@@ -42,6 +42,7 @@ def test_the_page_lists_the_common_changes():
         "Add a storage mode",
         "Add a loss term",
         "Add a benchmark sweep",
+        "Add a tile blending",
     } <= set(CHANGES)
 
 

@@ -110,7 +110,7 @@ def test_channels_last_gradients_match_the_plain_path():
 
 def _final_val_loss(tmp_path, name, *extra):
     data = tmp_path.parent / "fast-data"
-    result = run_train(tiny_args(data / "train.h5", data / "val.h5", tmp_path / name, "--num_epochs", "2", *extra))
+    result = run_train(tiny_args(data / "train.h5", data / "val.h5", tmp_path / name, "--num_epochs", "1", *extra))
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads((tmp_path / name / "summary.json").read_text())["final_val_loss"]
 

@@ -1,6 +1,7 @@
 """Faults provoked for real: bad input, kills during a save, stop signals, NaNs in data and losses."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -329,8 +330,25 @@ def test_a_save_that_fails_part_way_loses_nothing_and_resume_continues_exactly(d
 # --- stopping on request -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
-def test_stop_signal_checkpoints_exits_75_and_resume_continues_exactly(data, finished, tmp_path, sig):
+def test_both_stop_signals_ask_for_a_stop():
+    """SIGTERM (a preemption, a cancel) and SIGUSR1 (sbatch --signal before the time limit) are the same request;
+    the run below stops on one of them, end to end."""
+    from trainer.preemption import StopRequest
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        for sig in previous:
+            stop = StopRequest()
+            assert not stop.requested
+            os.kill(os.getpid(), sig)
+            assert stop.requested and stop.signal_name == sig.name
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_stop_signal_checkpoints_exits_75_and_resume_continues_exactly(data, finished, tmp_path):
+    sig = signal.SIGUSR1
     run = tmp_path / "run"
     proc = start_train(_args(data, run, "--num_epochs", "2"), stderr=subprocess.PIPE)
     wait_until(proc, lambda: logged(run, '"step": 20,'), 120, "step 20 was never logged")
@@ -354,7 +372,8 @@ def test_stop_signal_checkpoints_exits_75_and_resume_continues_exactly(data, fin
 
 def test_nonfinite_losses_are_skipped_and_counted(data, tmp_path):
     bad = _with_nan(data, tmp_path)  # a few NaN voxels: the batches whose crops cover them give a NaN loss
-    result = run_train(_args(data, tmp_path / "run", "--num_epochs", "2", "--data_checks", "none", train=bad))
+    whole = ["--noise_scale", "false"]  # each step one micro-batch, not split in two for the noise scale
+    result = run_train(_args(data, tmp_path / "run", "--num_epochs", "2", "--data_checks", "none", *whole, train=bad))
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["nonfinite_losses"] > 0 and summary["steps"] == 32 - summary["nonfinite_losses"]

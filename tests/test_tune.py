@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from bench.tune import RECIPE, Tuner, apply_settings
+from common.outputs import mark
 from tests.conftest import REPO, run_train, single_process_env
 from trainer.config import DEFAULT_YAML, build_config, load_named
 
@@ -130,9 +131,12 @@ def test_a_tuned_micro_batch_trains_to_the_same_losses(named, tmp_path):
 def test_bad_options_are_refused(named, tmp_path):
     result = tune(named, tmp_path / "x.yaml", "--try", "unet_width=8")
     assert result.returncode == 2 and "KEY one of" in result.stderr
-    (tmp_path / "y.yaml").write_text("")
+    (tmp_path / "y.yaml").write_text("")  # the user's: never replaced
+    result = tune(named, tmp_path / "y.yaml", "--overwrite")
+    assert result.returncode == 2 and "y.yaml was not written by this project and is never replaced" in result.stderr
+    mark(tmp_path, ["y.yaml"], by="bench.tune")  # as an earlier tuning leaves it
     result = tune(named, tmp_path / "y.yaml")
-    assert result.returncode == 2 and "exists: pass --overwrite" in result.stderr
+    assert result.returncode == 2 and "y.yaml exists: --overwrite replaces it" in result.stderr
     result = tune(named, tmp_path / "z.yaml", "--config", "nothing")
     assert result.returncode == 2 and "no config named 'nothing'" in result.stderr
 

@@ -97,16 +97,12 @@ def train_step(
     pieces: int = 1,
     reduction: OverlappedReduction | None = None,
 ) -> StepResult:
-    """One optimizer step over the engine's accumulation count of micro-batches taken from ``batches``, each in
-    ``pieces`` equal parts (a forward and backward each), the optimizer step after the last, the accumulation boundary
-    said to DeepSpeed explicitly.
-
-    A part the ``guard`` skips (a non-finite loss, skipped on every rank alike; ``where(index)`` names its micro-batch)
-    adds no gradient: where it is the last, a backward of zero keeps the boundary's reduction; where every one is
-    skipped, no optimizer step is taken. ``after_backward(norm)`` sees the step's gradient norm (``step_gradient_norm``)
-    before the optimizer takes them; ``noise`` measures each part's gradient and the step's; ``reduction`` all-reduces
-    the gradients during the last backward, waited for before the optimizer step.
-    """
+    """One optimizer step: the engine's accumulation count of micro-batches from ``batches``, each in ``pieces`` equal
+    parts (a forward and backward each), the optimizer step after the last, the boundary said to DeepSpeed.
+    A part the ``guard`` skips (non-finite loss, on every rank alike) adds no gradient: where it is the last, a backward
+    of zero keeps the boundary's reduction; where all are skipped, no step is taken. ``after_backward(norm)`` sees the
+    step's gradient norm; ``noise`` measures each part's gradient and the step's; ``reduction`` all-reduces the
+    gradients during the last backward, waited for before the optimizer step."""
     accumulation = engine.gradient_accumulation_steps()
     measure = noise is not None or after_backward is not None
     result, norm = StepResult(), None
