@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from common.cli import ArgumentParser
 
 SUBNET = "10.231.{}.{}"  # a private /24 of the namespaces only
+PREFIX = "cosmo-link-"  # the namespaces' names: the prefix, the making process's pid, two random hex digits, -1 or -2
 PORT = 29411
 NOT_HERE = 3  # exit status where the machine cannot make the link
 
@@ -88,10 +89,11 @@ def made(shape: Shape) -> Iterator[Link]:
         raise LinkError("making network namespaces needs root")
     if missing := _missing_tools():
         raise LinkError(f"{', '.join(missing)} not found (Debian's iproute2 and util-linux)")
-    tag = uuid.uuid4().hex[:6]
-    subnet = int(tag[:2], 16) % 200 + 20
+    reclaim_stale()
+    tag = f"{os.getpid() % 10**6}{uuid.uuid4().hex[:2]}"
+    subnet = int(tag[-2:], 16) % 200 + 20
     link = Link(
-        namespaces=(f"cosmo-{tag}-1", f"cosmo-{tag}-2"),
+        namespaces=(f"{PREFIX}{tag}-1", f"{PREFIX}{tag}-2"),
         devices=(f"ve{tag}a", f"ve{tag}b"),
         addresses=(SUBNET.format(subnet, 1), SUBNET.format(subnet, 2)),
         hosts=("node1", "node2"),
@@ -111,8 +113,19 @@ def made(shape: Shape) -> Iterator[Link]:
                 _run([*inside, *tc])
         yield link
     finally:
+        subprocess.run(["ip", "link", "delete", link.devices[0]], capture_output=True, timeout=30)  # if not moved
         for ns in link.namespaces:  # removing a namespace removes its end of the veth, and so the pair
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+
+
+def reclaim_stale() -> None:
+    """Namespaces this module made for a process that is gone (killed before it could remove them), removed."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.startswith(PREFIX)):
+        pid = int(name.removeprefix(PREFIX)[:-4])
+        if not os.path.exists(f"/proc/{pid}"):
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=30)
+            print(f"removed network namespace {name}, left by process {pid}", file=sys.stderr)
 
 
 def ranks_env(link: Link, node: int, *, port: int = PORT) -> dict[str, str]:
@@ -125,6 +138,8 @@ def ranks_env(link: Link, node: int, *, port: int = PORT) -> dict[str, str]:
         "MASTER_ADDR": link.addresses[0],
         "MASTER_PORT": str(port),
         "GLOO_SOCKET_IFNAME": link.devices[node],
+        "CUDA_VISIBLE_DEVICES": "",  # gloo over the veth: on a GPU host, NCCL would find its own way
+        "DS_ACCELERATOR": "cpu",
         "PYTHONPATH": os.getcwd(),
     }
 
@@ -218,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", choices=["check", "run"])
     parser.add_argument("command", nargs="*", help="with run: the command each rank runs (after --)")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # the namespaces removed on the way out
     shape = Shape(rate_mbit=args.rate_mbit, burst_kib=args.burst_kib, latency_ms=args.latency_ms)
     try:
         with made(shape) as link:

@@ -14,6 +14,7 @@ the shaped link less its time over the unshaped one.
 
 from __future__ import annotations
 
+import signal
 import statistics
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from bench.cases import rounds
 from bench.env import DOC, REPO, append_records, read_records, update_doc
 from bench.link import LinkError, Shape, carries, made, run_ranks
 from common.cli import ArgumentParser, output_file
+from common.tensors import DTYPES
 
 RESULTS = REPO / "bench" / "results" / "overlap.jsonl"
 SMALL_BUCKETS = '{"zero_optimization": {"reduce_bucket_size": 1000000, "allgather_bucket_size": 1000000}}'
@@ -62,11 +64,16 @@ def measure(variant: str, shape: Shape, args: Any, *, round_: int) -> dict[str, 
     return record | {"bench": "overlap", "variant": variant, "round": round_, "link": link_facts}
 
 
+def gradient_bytes(record: dict[str, Any]) -> int:
+    """The bytes of a run's gradients: its parameters in its precision."""
+    return record["parameters"] * DTYPES[record["precision"]].itemsize
+
+
 def calibrated_rate(args: Any, *, overhead: float) -> float:
     """The rate at which stage 0's all-reduce is ``overhead`` of its step: from a step over the unshaped link and the
     gradients' bytes (a two-rank ring sends each rank's bytes once each way)."""
     record = measure("stage 0", Shape(rate_mbit=None), args, round_=-1)
-    step_s, nbytes = record["step_ms_p50"] / 1000, 4 * record["parameters"]
+    step_s, nbytes = record["step_ms_p50"] / 1000, gradient_bytes(record)
     reduce_s = overhead / (1 - overhead) * step_s
     return nbytes * 8 / reduce_s / 1e6
 
@@ -78,11 +85,11 @@ def table(records: list[dict[str, Any]]) -> str:
     rows = [r for r in records if r["run_id"] == run]
     rate = next(r["link"]["rate_mbit"] for r in rows if r["link"]["rate_mbit"])
     first = rows[0]
-    nbytes = 4 * first["parameters"]
+    nbytes = gradient_bytes(first)
     lines = [
         f"Run {run} ({first['cpu']}, {first['cores']} cores; config {first['config']}, {first['parameters']:,} "
-        f"parameters, {nbytes / 2**20:.1f} MiB of fp32 gradients, micro-batch {first['micro_batch']} on each of 2 "
-        f"ranks): link shaped to {rate:g} Mbit/s by tbf (burst {first['link']['burst_kib']} KiB, queue "
+        f"parameters, {nbytes / 2**20:.1f} MiB of {first['precision']} gradients, micro-batch {first['micro_batch']} "
+        f"on each of 2 ranks): link shaped to {rate:g} Mbit/s by tbf (burst {first['link']['burst_kib']} KiB, queue "
         f"{first['link']['latency_ms']:g} ms) on both ends; the all-reduce of the gradients takes "
         f"{nbytes * 8 / (rate * 1e6) * 1000:.0f} ms on it (bytes / rate).",
         "",
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     parser.add_argument("--table", action="store_true", help="only the table of the newest run in --out")
     args, args.train_options = parser.parse_known_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # the namespaces removed on the way out
     if not args.table:
         try:
             rate = args.rate_mbit or calibrated_rate(args, overhead=args.overhead)

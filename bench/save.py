@@ -21,11 +21,14 @@ from bench.env import REPO, append_records, environment
 from common.cli import ArgumentParser, output_file
 from model import Loss
 from trainer.build import build_engine
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, Position
 from trainer.config import build_config, load_named
+from trainer.config.sections import Checkpointing
 from trainer.dist import DistEnv, init_distributed
+from trainer.step import train_step
 
 RESULTS = REPO / "bench" / "results" / "save.jsonl"
+ONE_KEPT = Checkpointing(keep=1, every_epochs=0, every_steps=None, every_minutes=None)  # saves made by hand
 
 
 def _steps(engine: Any, batch: tuple[torch.Tensor, torch.Tensor], count: int) -> list[float]:
@@ -33,8 +36,7 @@ def _steps(engine: Any, batch: tuple[torch.Tensor, torch.Tensor], count: int) ->
     times = []
     for _ in range(count):
         start = time.perf_counter()
-        engine.backward(Loss()(engine(batch[0]), batch[1]))
-        engine.step()
+        train_step(engine, iter([batch]), loss_fn=Loss())
         times.append(time.perf_counter() - start)
     return times
 
@@ -56,12 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     held: dict[str, list[float]] = {"background": [], "waited": []}
     after: dict[str, list[float]] = {"background": [], "waited": [], "none": []}
     with tempfile.TemporaryDirectory(dir=REPO / "runs" if (REPO / "runs").is_dir() else None) as run_dir:
-        checkpoints = Checkpointer(engine, Path(run_dir), keep=1)
+        checkpoints = Checkpointer(engine, Path(run_dir), settings=ONE_KEPT, batches_per_epoch=1, agree_every=1)
         for _ in range(args.saves):
             for way in ("none", "background", "waited"):
                 if way != "none":
                     start = time.perf_counter()
-                    checkpoints.save({"epoch": 0}, wait=way == "waited")
+                    at = Position(step=engine.global_steps, epoch=0, batch_in_epoch=0)
+                    checkpoints.save(at, lambda: {"epoch": 0}, wait=way == "waited")
                     held[way].append(time.perf_counter() - start)
                 after[way] += _steps(engine, batch, 3)  # the steps that run while rank 0 finishes the save
                 checkpoints.finish()

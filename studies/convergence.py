@@ -55,6 +55,7 @@ class Base:
     """What the config's base run is: its batch, optimizer steps, validations, learning rate and warm-up."""
 
     batch: int
+    lr_base_batch: int  # the batch at which start_lr applies (the config's base_batch_size)
     steps: int
     validations: int
     start_lr: float
@@ -67,6 +68,7 @@ class Base:
         steps_per_epoch = config["Nsamples"] // config["global_batch_size"]
         return cls(
             batch=config["global_batch_size"],
+            lr_base_batch=config["base_batch_size"],
             steps=config["num_epochs"] * steps_per_epoch,
             validations=config["num_epochs"],
             start_lr=schedule["start_lr"],
@@ -82,13 +84,13 @@ class Base:
             raise ValueError(f"{run.name}: {steps} steps do not split into {self.validations} validations")
         micro = min(batch, self.max_micro)
         scaling, warmup = ("none", 0) if run.rule == "base" else run.scaling_and_warmup(self.warmup)
+        # warm-up only where the rule scales the learning rate up, over a quarter of a short run's steps at most
+        warmup = min(warmup, steps // 4) if warmup_applies(scaling, batch, self.lr_base_batch) else 0
         options = ["--global_batch_size", str(batch), "--micro_batch_size", str(micro), "--accumulate_as_ranks", "true"]
         options += ["--num_epochs", str(self.validations), "--Nsamples", str(steps // self.validations * batch)]
         if run.rule != "base":  # the base run is the config's own: no rule scales its batch
             options += ["--lr_schedule.scaling", scaling, "--lr_schedule.warmup_steps", str(warmup)]
-        if warmup_applies(scaling, batch, self.batch) and warmup >= steps:
-            raise ValueError(f"{run.name}: a warm-up of {warmup} steps does not fit in its {steps} steps")
-        peak = peak_lr(self.start_lr, scaling, batch, base_batch=self.batch)
+        peak = peak_lr(self.start_lr, scaling, batch, base_batch=self.lr_base_batch)
         return {"global_batch": batch, "steps": steps, "peak_lr": peak, "warmup_steps": warmup, "options": options}
 
 

@@ -85,6 +85,19 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join([*lines, "", *fit_lines(runs, tgts)])
 
 
+def fits(records: list[dict[str, Any]]) -> list[tuple[float, float, int]]:
+    """Per seed whose fit holds: (S_min, E_min, the base batch) of its fewest steps at each batch."""
+    runs = newest(records)
+    tgts = targets(runs)
+    found = []
+    for seed, best in best_steps(runs, tgts).items():
+        fitted = fit([(batch, steps) for batch, (_, steps) in best.items()])
+        if fitted is not None and fitted[0] > 0 and fitted[1] > 0:
+            base = next(r for (_, rule, _, s), r in runs.items() if rule == "base" and s == seed)
+            found.append((*fitted, base["global_batch"]))
+    return found
+
+
 def fit_lines(runs: dict[tuple, dict[str, Any]], tgts: dict[int, float]) -> list[str]:
     """Per seed, the fit to the fewest steps at each batch, beside the base run's measured noise scale."""
     lines = []
@@ -101,7 +114,7 @@ def fit_lines(runs: dict[tuple, dict[str, Any]], tgts: dict[int, float]) -> list
             continue
         s_min, e_min = fitted
         lines.append(
-            f"- seed {seed}: fewest steps {said}; fit S_min {s_min:.0f} steps, E_min {e_min:,.0f} samples, "
+            f"- seed {seed}: fewest steps {said}; fit S_min {s_min:.0f} steps, E_min {e_min:.0f} samples, "
             f"B_crit = E_min / S_min {e_min / s_min:.0f}; the base run's B_simple (median, its second half) {noise}"
         )
     return lines

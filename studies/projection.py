@@ -1,8 +1,8 @@
 """A projection, labelled as one: the time to the base run's loss on N GPUs, from the convergence study's steps per
 global batch, a step time per GPU and a ring all-reduce of the named configs' gradients.
 
-    python -m studies.projection                                   # the study's fit, the defaults below
-    python -m studies.projection --s_min 2600 --e_min 4.6e6 --step_ms 46.5 --bandwidth_gbs 100 --overlap
+    python -m studies.projection                      # the fit of bench/results/convergence.jsonl, the defaults
+    python -m studies.projection --s_min 2600 --e_min 4.6e6 --study_base_batch 8 --step_ms 46.5 --overlap
 
 Steps to the base's loss at global batch B = 64 N (64 a GPU, as the named configs): S(B) = S_min + E_min / B, the fit
 of McCandlish et al. that the study measures (docs/training.md, Large batches), scaled to the reference's run (its
@@ -12,10 +12,16 @@ base run's steps at 64). A step takes the GPU's time plus the all-reduce's expos
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
+from bench.env import read_records
 from common.cli import ArgumentParser
+from studies.convergence import RESULTS
+from studies.convergence_report import fits
 
 # bs64_opt at 64 samples a GPU: 1,377 samples/s on one H200 (measured before the fp16 fixes; docs/benchmarks.md).
 STEP_MS = 64 / 1377 * 1000
@@ -30,13 +36,13 @@ class Inputs:
 
     s_min: float  # the fit's, in the study's steps
     e_min: float  # the fit's, in the study's samples
-    study_base_batch: int  # the study's batch that stands for 64 a GPU on one GPU
+    study_base_batch: float  # the study's batch that stands for 64 a GPU on one GPU
     step_ms: float = STEP_MS
-    gradient_bytes: float = GRADIENT_BYTES
+    gradient_bytes: float = float(GRADIENT_BYTES)
     bandwidth_gbs: float = 100.0  # per node: 4 NICs of 25 GB/s
     latency_us: float = 5.0
     overlap: bool = False
-    base_steps: int = BASE_STEPS
+    base_steps: float = float(BASE_STEPS)
 
 
 def steps_at(inputs: Inputs, multiple: float) -> float:
@@ -84,16 +90,21 @@ def worth_it(rows: list[dict[str, float]]) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m studies.projection", description=__doc__.split("\n\n")[0])
     for name, default in asdict(Inputs(s_min=0, e_min=0, study_base_batch=0)).items():
-        kind = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)
-        parser.add_argument(f"--{name}", type=kind, default=None if name.startswith(("s_", "e_", "study")) else default)
+        if isinstance(default, bool):
+            parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default)
+        else:
+            required = name in ("s_min", "e_min", "study_base_batch")  # the study's fit: no default
+            parser.add_argument(f"--{name}", type=float, default=None if required else default)
     parser.add_argument("--gpus", nargs="+", type=int, default=[1, 4, 8, 32, 128])
+    parser.add_argument("--records", type=Path, default=RESULTS, help="the study's, for a fit not given")
     args = parser.parse_args(argv)
-    fields = {k: v for k, v in vars(args).items() if k != "gpus"}
-    missing = [k for k, v in fields.items() if v is None]
-    if missing:
-        parser.error(
-            f"give --{' --'.join(missing)} (the convergence study's fit: python -m studies.convergence --table)"
-        )
+    fields = {k: v for k, v in vars(args).items() if k not in ("gpus", "records")}
+    if any(fields[k] is None for k in ("s_min", "e_min", "study_base_batch")):
+        found = fits(read_records(args.records)) if args.records.is_file() else []
+        if not found:
+            parser.error(f"no fit in {args.records}: give --s_min --e_min --study_base_batch")
+        for index, key in enumerate(("s_min", "e_min", "study_base_batch")):  # the mean of the seeds' fits
+            fields[key] = fields[key] if fields[key] is not None else statistics.mean(f[index] for f in found)
     inputs = Inputs(**fields)
     rows = [project(inputs, n) for n in args.gpus]
     print("A projection, not a measurement. Inputs:", json.dumps(asdict(inputs)))

@@ -9,7 +9,7 @@ from studies.convergence import Base, Run
 from studies.convergence_report import best_steps, fit, reached, table, targets
 from studies.projection import BACKWARD_SHARE, Inputs, allreduce_ms, project, steps_at, worth_it
 
-BASE = Base(batch=4, steps=512, validations=8, start_lr=1e-3, warmup=16, max_micro=32)
+BASE = Base(batch=4, lr_base_batch=4, steps=512, validations=8, start_lr=1e-3, warmup=16, max_micro=32)
 
 
 def test_a_run_plans_its_batch_steps_validations_and_learning_rate():
@@ -19,7 +19,10 @@ def test_a_run_plans_its_batch_steps_validations_and_learning_rate():
     assert options[options.index("--micro_batch_size") + 1] == "32"  # 64 by accumulating 2 micro-batches of 32
     assert options[options.index("--Nsamples") + 1] == str(256 // 8 * 64)  # a validation every 32 steps
     same_samples = BASE.plan(Run(multiple=64, rule="linear+warmup4", epochs_rule="samples", seed=1))
-    assert (same_samples["steps"], same_samples["peak_lr"], same_samples["warmup_steps"]) == (8, 64e-3, 4)
+    assert (same_samples["steps"], same_samples["peak_lr"]) == (8, 64e-3)
+    assert same_samples["warmup_steps"] == 2  # a quarter of a run this short
+    unscaled = BASE.plan(Run(multiple=16, rule="none", epochs_rule="half", seed=0))
+    assert unscaled["warmup_steps"] == 0 and unscaled["peak_lr"] == 1e-3
     base = BASE.plan(Run(multiple=1, rule="base", epochs_rule="base", seed=0))
     assert base["steps"] == 512 and "--lr_schedule.scaling" not in base["options"]
     with pytest.raises(ValueError, match="do not split into 8 validations"):

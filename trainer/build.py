@@ -92,7 +92,7 @@ def set_cudnn(cfg: Config, device_type: str) -> None:
 def overlapped_reduction(cfg: Config, engine: Any) -> OverlappedReduction | None:
     """``gradient_reduction: overlapped`` where it can take effect: stage 0 on several ranks (else one warning)."""
     if cfg.gradient_reduction != "overlapped":
-        if cfg.reduce_bucket_mb != 25.0:
+        if cfg.reduce_bucket_mb != Config.__dataclass_fields__["reduce_bucket_mb"].default:
             log.warning("reduce_bucket_mb has no effect without gradient_reduction: overlapped")
         return None
     if engine.zero_optimization():
@@ -102,8 +102,16 @@ def overlapped_reduction(cfg: Config, engine: Any) -> OverlappedReduction | None
         )
         return None
     if engine.dp_world_size == 1:
-        log.info("gradient_reduction: overlapped: one rank, nothing to reduce")
+        log.warning("gradient_reduction: overlapped has no effect on one rank (nothing to reduce)")
         return None
+    grad_dtype = next(engine.module.parameters()).dtype
+    averaging = engine.gradient_average and engine.postscale_gradients() and engine.gradient_predivide_factor() == 1
+    if engine.communication_data_type != grad_dtype or not averaging:
+        raise ConfigError(
+            "gradient_reduction: overlapped reduces the gradients in their own precision and averages them after "
+            "the sum; the DeepSpeed config asks otherwise (communication_data_type, prescale_gradients or "
+            "gradient_predivide_factor): drop those settings, or use gradient_reduction: after_backward"
+        )
     element = next(engine.module.parameters()).element_size()
     reduction = OverlappedReduction(engine, bucket_elements=int(cfg.reduce_bucket_mb * 2**20 / element))
     log.info(

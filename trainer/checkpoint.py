@@ -47,7 +47,7 @@ from model.checkpoints import (
     write_manifest,
 )
 from trainer.config.sections import Checkpointing
-from trainer.dist import is_main_process
+from trainer.dist import is_main_process, on_any_rank
 from trainer.errors import CheckpointError, NumericalError
 
 log = logging.getLogger(__name__)
@@ -56,16 +56,12 @@ log = logging.getLogger(__name__)
 def weights_are_finite(engine: Any) -> bool:
     """True on every rank when no rank holds a NaN or Inf weight (one reduction)."""
     local = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
-    flag = torch.tensor([0.0 if local else 1.0], device=engine.device)
-    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
-    return flag.item() == 0.0
+    return not on_any_rank(not local, engine.device)
 
 
 def _on_any_rank(failed: Exception | None, device: torch.device) -> bool:
     """Whether a save failed on any rank (one reduction, in place of a barrier: no rank waits for one that failed)."""
-    flag = torch.tensor([0.0 if failed is None else 1.0], device=device)
-    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
-    return flag.item() > 0
+    return on_any_rank(failed is not None, device)
 
 
 def _fsync_own_files(directory: Path, rank: int) -> None:
@@ -199,9 +195,7 @@ class Checkpointer:
         if self.settings.every_minutes is None or step % self.agree_every:
             return False
         due = time.monotonic() - self._last_save >= 60 * self.settings.every_minutes
-        flag = torch.tensor([float(self.rank == 0 and due)], device=self.engine.device)
-        torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return on_any_rank(self.rank == 0 and due, self.engine.device)
 
     def save(self, at: Position, state: Callable[[], dict[str, Any]], *, wait: bool = False) -> str | None:
         """Save the engine's state at ``at`` as the newest checkpoint, unless the newest is of this position already;

@@ -36,7 +36,7 @@ from pipeline.synthetic import ensure_boxes
 from pipeline.volumes import VolumeFiles, VolumePair, target_attributes
 from trainer.config import Config, channels_last_on, to_dict
 from trainer.config.sections import Sampling
-from trainer.dist import Device, DistEnv
+from trainer.dist import Device, DistEnv, on_any_rank
 from trainer.engine import engine_config, plan_batches, precision_of
 from trainer.errors import ConfigError
 
@@ -310,9 +310,7 @@ def node_of(dist: DistEnv, device: Device) -> Node:
     where = torch.device(device.type, device.index) if device.type == "cuda" else torch.device("cpu")
 
     def agree(*, failed: bool) -> bool:
-        flag = torch.tensor([float(failed)], device=where)
-        torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return on_any_rank(failed, where)
 
     key = [f"{os.getuid()}-{os.getpid()}-{time.strftime('%Y%m%d%H%M%S')}"]
     torch_dist.broadcast_object_list(key, src=0)

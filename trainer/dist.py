@@ -151,3 +151,10 @@ def device_name(device: Device) -> str:
         return torch.cuda.get_device_name(device.index)
     model = cpu_info().model
     return f"cpu: {model}" if model else "cpu"
+
+
+def on_any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is true on any rank: one small reduction, and a host sync."""
+    value = torch.tensor([float(flag)], device=device)
+    torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX)
+    return bool(value.item())

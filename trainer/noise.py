@@ -52,7 +52,9 @@ class NoiseScale:
         self._micro: list[torch.Tensor] = []  # this step's small batches' squared norms
         self._sums = torch.zeros(3, dtype=torch.float64, device=device)  # small, big, steps since the last report
         self._smoothed: tuple[float, float] | None = None
-        self._hooks = [p.register_hook(self._seen) for p in module.parameters() if p.requires_grad]
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_hook(self._seen)
 
     def _seen(self, grad: torch.Tensor) -> None:
         self._squares.append(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
@@ -77,18 +79,14 @@ class NoiseScale:
         sums, self._sums = self._sums, torch.zeros_like(self._sums)
         torch_dist.all_reduce(sums)
         small_sum, big_sum, steps = sums.tolist()
-        if steps:
-            now = estimates(small_sum / steps, big_sum / steps, small=self.small, big=self.big)
+        now = estimates(small_sum / steps, big_sum / steps, small=self.small, big=self.big) if steps else None
+        if now is not None and all(math.isfinite(v) for v in now):  # an interval of overflowing steps: left out
             past = self._smoothed or now
             self._smoothed = tuple(SMOOTHING * p + (1 - SMOOTHING) * n for p, n in zip(past, now, strict=True))
-        if self._smoothed is None or not all(math.isfinite(v) for v in self._smoothed):
+        if self._smoothed is None:
             return None
         grad_sq, trace = self._smoothed
         return Estimate(grad_sq=grad_sq, trace=trace, b_simple=trace / grad_sq if grad_sq > 0 else None)
-
-    def close(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
 
 
 class _Backward:

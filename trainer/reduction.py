@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 class OverlappedReduction:
     """The engine's own reduction turned off, and the buckets' hooks on its parameters. ``start(boundary)`` before each
-    backward, ``finish()`` after the step's last; ``launched`` counts the buckets sent while backward ran."""
+    backward, ``finish()`` after the step's last (``trainer.step.train_step`` does both)."""
 
     def __init__(self, engine: Any, *, bucket_elements: int) -> None:
         params = [p for p in engine.module.parameters() if p.requires_grad]
@@ -34,8 +34,8 @@ class OverlappedReduction:
         self.active = False
         self.pending: list[int] = []
         self.works: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket -> (its flat gradients, the all-reduce)
-        self.launched = 0
-        self.hooks = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._ready)
         engine.enable_backward_allreduce = False
 
     def start(self, *, boundary: bool) -> None:
@@ -43,7 +43,7 @@ class OverlappedReduction:
         self.active = boundary
         if boundary:
             self.pending = [len(bucket) for bucket in self.buckets]
-            self.works, self.launched = {}, 0
+            self.works = {}
 
     def _ready(self, param: torch.nn.Parameter) -> None:
         if not self.active:
@@ -52,7 +52,6 @@ class OverlappedReduction:
         self.pending[index] -= 1
         if self.pending[index] == 0:
             self._launch(index)
-            self.launched += 1
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
@@ -77,7 +76,3 @@ class OverlappedReduction:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
         self.works = {}
-
-    def close(self) -> None:
-        for hook in self.hooks:
-            hook.remove()

@@ -104,6 +104,9 @@ def train_step(
     step's gradient norm; ``noise`` measures each part's gradient and the step's; ``reduction`` all-reduces the
     gradients during the last backward, waited for before the optimizer step."""
     accumulation = engine.gradient_accumulation_steps()
+    if reduction is None and not engine.enable_backward_allreduce and engine.dp_world_size > 1:
+        if not engine.zero_optimization():  # the engine's reduction was handed over: without it, ranks drift apart
+            raise RuntimeError("the engine's gradient reduction is off: pass its OverlappedReduction to train_step")
     measure = noise is not None or after_backward is not None
     result, norm = StepResult(), None
     for index in range(accumulation):

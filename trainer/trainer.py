@@ -76,6 +76,9 @@ class Trainer:
             nonfinite_losses = int(state.get("nonfinite_losses", 0))
             self.resumed_at = self._position()
             log.info("resumed at step %d: epoch %d, %d batch(es) into it", *self._where_parts())
+            if partial := self.batch_in_epoch % self.accumulation:  # saved by an older loop mid-step
+                self.batch_in_epoch -= partial
+                log.warning("the checkpoint is %d micro-batch(es) into a step: that step is taken again", partial)
 
         # One small collective per micro-step, when asked for: non-finite loss, bad batch, stop request.
         self.guard = StepGuard(cfg.faults, self.engine.device, stop, nonfinite_losses=nonfinite_losses)
