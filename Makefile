@@ -1,5 +1,6 @@
 # make train:       set up .venv and train the built-in debug config (synthetic data, CPU if no GPU)
-# make test:        set up .venv and run the test suite
+# make test:        set up .venv and run the test suite: two workers, each taking whole test files (most of the
+#                   suite's time is single-threaded process starts; a file's tests share its fixtures)
 # make lint:        ruff's checks and its formatter's (the settings are in pyproject.toml)
 # make data:        write the debug config's synthetic LCDM boxes to data/synthetic/lcdm/ (the trainer also does it on first use)
 # make tensorboard: serve the runs' TensorBoard events (RUNS=runs, PORT=6006)
@@ -29,7 +30,7 @@ train: setup
 	$(BIN)/python ds_train.py --config debug
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 lint: setup
 	$(BIN)/ruff check .

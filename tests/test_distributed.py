@@ -1,5 +1,6 @@
 """Several ranks for real: the deepspeed launcher on CPU, and slurm/train.sbatch on a local Slurm cluster."""
 
+import fcntl
 import json
 import os
 import re
@@ -11,6 +12,8 @@ import psutil
 import pytest
 import torch
 
+from pipeline.shared import PREFIX as SHARED_PREFIX
+from pipeline.shared import reclaim_stale
 from tests.conftest import REPO, run_train, shared_tiny_args, single_process_env
 
 DEEPSPEED = [sys.executable, "-m", "deepspeed.launcher.runner"]
@@ -74,7 +77,8 @@ def test_two_ranks_share_one_host_copy_and_draw_the_samples_of_their_own_reads(t
     assert "--data_format npy --npy_layout bricks" in line
     for key in ("rank_first_batch_digests", "rank_weight_digests", "final_val_loss"):
         assert _summary(host)[key] == _summary(lazy)[key], key
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith(("cosmo-emulator-", "deepspeed_allreduce_buffer"))]
+    # nothing left that no process maps (a test running beside this one may map segments of its own)
+    assert reclaim_stale([SHARED_PREFIX, "deepspeed_allreduce_buffer_"]) == []
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
@@ -104,23 +108,25 @@ def _files(directory):
     return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def test_zero_stages_train_like_stage_0_and_resume_on_as_many_ranks(tmp_path):
+def test_zero_stages_train_like_stage_0_and_resume_on_as_many_ranks(tmp_path, two_rank_runs):
     """ZeRO stages 1 and 2 (ds_configs/ds_fp16_zero*.json; fp32 on a CPU) split the optimizer over the ranks and
-    end on stage 0's weights, bit for bit; so does stage 0 with its reduction overlapped with backward in small
-    buckets, stopped and resumed with DeepSpeed's own reduction. A stopped stage-2 run resumes exactly on its 2
-    ranks; on 1 rank it is one clear line (DeepSpeed cannot split its optimizer states anew), the checkpoint kept."""
-    runs = {stage: tmp_path / f"zero{stage}" for stage in (0, 1, 2, "overlapped")}
-    overlapped = ["--gradient_reduction", "overlapped", "--reduce_bucket_mb", "0.002", "--stop_after_epoch", "2"]
+    end on stage 0's weights (the two-rank run of the deepspeed launcher), bit for bit; so does stage 0 with its
+    reduction overlapped with backward in small buckets, stopped and resumed with DeepSpeed's own reduction. A stopped
+    stage-2 run resumes exactly on its 2 ranks; on 1 rank it is one clear line (DeepSpeed cannot split its optimizer
+    states anew), the checkpoint kept."""
+    result, stage_0 = two_rank_runs("deepspeed")
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = {0: stage_0, **{stage: tmp_path / f"zero{stage}" for stage in (1, 2, "overlapped")}}
+    overlapped = ["--gradient_reduction", "overlapped", "--reduce_bucket_mb", "0.002", "--stop_after_epoch", "1"]
     _launch_two_ranks(
-        shared_tiny_args(tmp_path, runs["overlapped"], "--num_epochs", "3", *overlapped, data="dist-data")
+        shared_tiny_args(tmp_path, runs["overlapped"], "--num_epochs", "2", *overlapped, data="dist-data")
     )
     _launch_two_ranks(["--run_dir", str(runs["overlapped"]), "--resume", "--gradient_reduction", "after_backward"])
     zero_json = {1: "ds_configs/ds_fp16_zero1.json", 2: "ds_configs/ds_fp16_zero2.json"}
-    _launch_two_ranks(shared_tiny_args(tmp_path, runs[0], "--num_epochs", "3", data="dist-data"))
     _launch_two_ranks(
-        shared_tiny_args(tmp_path, runs[1], "--num_epochs", "3", "--deepspeed_config", zero_json[1], data="dist-data")
+        shared_tiny_args(tmp_path, runs[1], "--num_epochs", "2", "--deepspeed_config", zero_json[1], data="dist-data")
     )
-    stopped = ["--num_epochs", "3", "--deepspeed_config", zero_json[2], "--stop_after_epoch", "2"]
+    stopped = ["--num_epochs", "2", "--deepspeed_config", zero_json[2], "--stop_after_epoch", "1"]
     _launch_two_ranks(shared_tiny_args(tmp_path, runs[2], *stopped, data="dist-data"))
     checkpoints = _files(runs[2] / "checkpoints")
     one_rank = run_train(["--run_dir", str(runs[2]), "--resume"])
@@ -131,10 +137,10 @@ def test_zero_stages_train_like_stage_0_and_resume_on_as_many_ranks(tmp_path):
     _launch_two_ranks(["--run_dir", str(runs[2]), "--resume"])
     summaries = {stage: _summary(run) for stage, run in runs.items()}
     assert [s["zero_stage"] for s in summaries.values()] == [0, 1, 2, 0]
-    assert summaries[2]["resumed_from"] == {"epoch": 2, "batch_in_epoch": 0} and summaries[2]["steps"] == 48
+    assert summaries[2]["resumed_from"] == {"epoch": 1, "batch_in_epoch": 0} and summaries[2]["steps"] == 32
     weights = {stage: s["rank_weight_digests"] for stage, s in summaries.items()}
     assert weights[0][0] == weights[0][1] and weights[1] == weights[0] and weights[2] == weights[0]
-    assert weights["overlapped"] == weights[0] and summaries["overlapped"]["steps"] == 48
+    assert weights["overlapped"] == weights[0] and summaries["overlapped"]["steps"] == 32
     assert summaries[0]["final_val_loss"] < summaries[0]["initial_val_loss"]
 
 
@@ -205,7 +211,15 @@ def slurm(tmp_path_factory):
 
 def slurm_cluster(state, nodes, ports=(16817, 16818)):
     """A Slurm cluster of ``nodes`` nodes on this machine for the tests that use it (its SLURM_CONF in the
-    environment they get), stopped after them; the tests are skipped, saying why, where it cannot start."""
+    environment they get), stopped after them; the tests are skipped, saying why, where it cannot start. One cluster
+    at a time on a machine: test files run side by side (pytest -n) wait for it, as they share one munged and
+    number their jobs alike."""
+    with open("/tmp/cosmo-emulator-tests-slurm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield from _slurm_cluster(state, nodes, ports)
+
+
+def _slurm_cluster(state, nodes, ports):
     script = REPO / "tests" / "slurm" / "cluster.sh"
     env = {**os.environ, "SLURMCTLD_PORT": str(ports[0]), "SLURMD_PORT": str(ports[1])}
     started = subprocess.run(

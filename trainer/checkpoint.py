@@ -56,12 +56,12 @@ log = logging.getLogger(__name__)
 def weights_are_finite(engine: Any) -> bool:
     """True on every rank when no rank holds a NaN or Inf weight (one reduction)."""
     local = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
-    return not on_any_rank(not local, engine.device)
+    return not on_any_rank(engine.device, flag=not local)
 
 
 def _on_any_rank(failed: Exception | None, device: torch.device) -> bool:
     """Whether a save failed on any rank (one reduction, in place of a barrier: no rank waits for one that failed)."""
-    return on_any_rank(failed is not None, device)
+    return on_any_rank(device, flag=failed is not None)
 
 
 def _fsync_own_files(directory: Path, rank: int) -> None:
@@ -195,7 +195,7 @@ class Checkpointer:
         if self.settings.every_minutes is None or step % self.agree_every:
             return False
         due = time.monotonic() - self._last_save >= 60 * self.settings.every_minutes
-        return on_any_rank(self.rank == 0 and due, self.engine.device)
+        return on_any_rank(self.engine.device, flag=self.rank == 0 and due)
 
     def save(self, at: Position, state: Callable[[], dict[str, Any]], *, wait: bool = False) -> str | None:
         """Save the engine's state at ``at`` as the newest checkpoint, unless the newest is of this position already;

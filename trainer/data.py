@@ -310,7 +310,7 @@ def node_of(dist: DistEnv, device: Device) -> Node:
     where = torch.device(device.type, device.index) if device.type == "cuda" else torch.device("cpu")
 
     def agree(*, failed: bool) -> bool:
-        return on_any_rank(failed, where)
+        return on_any_rank(where, flag=failed)
 
     key = [f"{os.getuid()}-{os.getpid()}-{time.strftime('%Y%m%d%H%M%S')}"]
     torch_dist.broadcast_object_list(key, src=0)

@@ -153,7 +153,7 @@ def device_name(device: Device) -> str:
     return f"cpu: {model}" if model else "cpu"
 
 
-def on_any_rank(flag: bool, device: torch.device) -> bool:
+def on_any_rank(device: torch.device, *, flag: bool) -> bool:
     """Whether ``flag`` is true on any rank: one small reduction, and a host sync."""
     value = torch.tensor([float(flag)], device=device)
     torch_dist.all_reduce(value, op=torch_dist.ReduceOp.MAX)
