@@ -120,34 +120,58 @@ def fit_lines(runs: dict[tuple, dict[str, Any]], tgts: dict[int, float]) -> list
     return lines
 
 
+RULE_STYLES = {"none": ":", "sqrt": "--", "linear": "-"}
+
+
 def figure(records: list[dict[str, Any]], path: Path) -> None:
-    """Validation loss against optimizer steps and against samples, one line per (batch, rule, epochs rule), seed 0."""
+    """Validation loss against optimizer steps and against samples, seed 0: a colour per global batch, a line style
+    per learning-rate rule, the ``half`` runs bold and the ``samples`` runs faint."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     runs = newest(records)
     seeds = sorted({seed for *_, seed in runs})
     if not seeds:
         return
-    fig, (by_steps, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (by_steps, by_samples) = plt.subplots(1, 2, figsize=(12, 4.8))
     tgts = targets(runs)
+    batches = sorted({r["global_batch"] for r in runs.values()})
+    colours = dict(
+        zip(
+            batches,
+            plt.get_cmap("viridis")([i / max(len(batches) - 1, 1) * 0.9 for i in range(len(batches))]),
+            strict=True,
+        )
+    )
     for (_, rule, epochs, seed), r in sorted(runs.items()):
         if seed != seeds[0]:
             continue
-        label = f"{r['global_batch']}, {rule}" + ("" if rule == "base" else f", {epochs}")
-        style = "-" if epochs in ("half", "base") else ":"
+        scaling = rule.partition("+warmup")[0]
+        style = {"color": "black" if rule == "base" else colours[r["global_batch"]]}
+        style |= {"linestyle": RULE_STYLES.get(scaling, "-"), "linewidth": 0.9 if epochs == "samples" else 1.8}
+        style |= {"alpha": 0.45 if epochs == "samples" else 1.0}
         points = [p for p in r["curve"] if p["step"] > 0]
-        by_steps.plot([p["step"] for p in points], [p["loss"] for p in points], style, label=label)
-        by_samples.plot([p["samples"] for p in points], [p["loss"] for p in points], style, label=label)
+        by_steps.plot([p["step"] for p in points], [p["loss"] for p in points], **style)
+        by_samples.plot([p["samples"] for p in points], [p["loss"] for p in points], **style)
     for ax, what in ((by_steps, "optimizer steps"), (by_samples, "samples")):
         if seeds[0] in tgts:
-            ax.axhline(tgts[seeds[0]], color="gray", linestyle="--", linewidth=0.8)
+            ax.axhline(tgts[seeds[0]], color="gray", linestyle="-.", linewidth=0.8)
         ax.set(xscale="log", yscale="log", xlabel=what, ylabel="validation loss")
         ax.grid(alpha=0.3)
-    by_samples.legend(fontsize=7, ncol=2)
-    fig.suptitle(f"convergence against global batch and learning-rate rule (seed {seeds[0]}; dashed: the base's loss)")
+    handles = [Line2D([], [], color="black", label=f"{batches[0]}, base")]
+    handles += [Line2D([], [], color=colours[b], linewidth=1.8, label=f"global batch {b}") for b in batches[1:]]
+    handles += [
+        Line2D([], [], color="gray", linestyle=style, label=f"lr: {rule}") for rule, style in RULE_STYLES.items()
+    ]
+    handles += [Line2D([], [], color="gray", linewidth=1.8, label="half the base's steps")]
+    handles += [Line2D([], [], color="gray", linewidth=0.9, alpha=0.45, label="the base's samples")]
+    by_samples.legend(handles=handles, fontsize=7, ncol=2)
+    fig.suptitle(
+        f"convergence against global batch and learning-rate rule (seed {seeds[0]}; dash-dot: the base's loss)"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -115,7 +115,11 @@ def main(argv: list[str] | None = None) -> None:
             f"| {row['gpus']} | {row['global_batch']} | {row['steps']:.0f} | {row['step_ms']:.1f} "
             f"({row['exposed_ms']:.1f} of {row['allreduce_ms']:.1f}) | {row['minutes']:.1f} |"
         )
-    print(f"The time to solution stops falling beyond {worth_it(rows)} GPUs.")
+    worth = worth_it(rows)
+    if worth == rows[-1]["gpus"]:
+        print(f"The time to solution still falls by 5% or more at {worth} GPUs, the most asked for.")
+    else:
+        print(f"The time to solution stops falling (by 5% or more) beyond {worth} GPUs.")
 
 
 if __name__ == "__main__":
