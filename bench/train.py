@@ -162,14 +162,16 @@ class TrainBench:
     def engine_step(self, *, synthetic: bool) -> float:
         """The training loop's step and checks (one reduction and host sync where the config asks for them)."""
         engine = self.engine
+        every = self.cfg.log_every_steps  # the trainer's measured steps
+        measured = self.noise is not None and self.noise.measures(engine.global_steps, every=every)
         result = train_step(
             engine,
             itertools.repeat(self.batch) if synthetic else self.batches,
             loss_fn=self.loss_fn,
             guard=self.guard,
             where=lambda index: f"step {engine.global_steps}",
-            noise=self.noise,
-            pieces=self.pieces,
+            noise=self.noise if measured else None,
+            pieces=self.pieces if measured else 1,
             reduction=self.setup.reduction,
         )
         return result.data_wait_s

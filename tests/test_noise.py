@@ -8,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import REPO, single_process_env
-from trainer.noise import estimates
+from trainer.noise import NoiseScale, estimates
 
 LEAST_SQUARES = """
 import json, sys, torch, deepspeed
@@ -76,3 +77,20 @@ def test_the_estimates_undo_the_batch_sizes():
     assert estimates(grad_sq + trace / small, grad_sq + trace / big, small=small, big=big) == pytest.approx(
         (grad_sq, trace)
     )
+
+
+def test_only_the_first_eighth_of_each_log_interval_is_measured():
+    assert [step for step in range(48) if NoiseScale.measures(step, every=20)] == [0, 1, 20, 21, 40, 41]
+    assert [step for step in range(12) if NoiseScale.measures(step, every=4)] == [0, 4, 8]  # the first at least
+
+
+def test_the_hooks_measure_only_inside_a_measured_backward():
+    """An unmeasured step's backward leaves nothing; a measured one its gradient's squared norm, unscaled."""
+    net = torch.nn.Linear(3, 1)
+    noise = NoiseScale(net, small=1, big=2, device=torch.device("cpu"))
+    net(torch.ones(1, 3)).sum().backward()
+    assert noise._micro == [] and noise._squares == []
+    with noise.micro_batch(2.0):
+        (2 * net(torch.ones(1, 3)).sum()).backward()
+    (measured,) = noise._micro
+    assert float(measured) == pytest.approx(3 + 1)  # d/dW = x = (1, 1, 1), d/db = 1, the factor 2 divided out

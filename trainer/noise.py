@@ -4,9 +4,10 @@ appendix A.1): the batch beyond which a larger one buys little, B_simple = tr(Si
 Each optimizer step gives two measurements: the squared norm of small-batch gradients (each micro-batch's on each rank,
 seen by a hook on every weight before DeepSpeed adds it up or reduces it; with one rank and no accumulation, each half
 of a micro-batch split for it) and that of the step's gradient over the global batch. Their unbiased combinations
-estimate |G|^2 and tr(Sigma); each is averaged over a log interval's applied steps on every rank, then smoothed over
-the log points (the ratio of two noisy estimates is biased: numerator and denominator are smoothed apart).
-Nothing here reads the device between log points.
+estimate |G|^2 and tr(Sigma); each is averaged over a log interval's measured steps on every rank, then smoothed over
+the log points (the ratio of two noisy estimates is biased: numerator and denominator are smoothed apart). Only the
+first eighth of each log interval's steps (its first step at least) are measured: the others run without the hooks'
+work and unsplit. Nothing here reads the device between log points.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as torch_dist
 
 SMOOTHING = 0.8  # the weight of the past in the log points' moving averages
+SHARE = 8  # one step in this many is measured (the first steps of each log interval)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,12 +54,20 @@ class NoiseScale:
         self._micro: list[torch.Tensor] = []  # this step's small batches' squared norms
         self._sums = torch.zeros(3, dtype=torch.float64, device=device)  # small, big, steps since the last report
         self._smoothed: tuple[float, float] | None = None
+        self._active = False  # inside ``micro_batch``: the hooks measure
         for p in module.parameters():
             if p.requires_grad:
                 p.register_hook(self._seen)
 
+    @staticmethod
+    def measures(step: int, *, every: int) -> bool:
+        """Whether the optimizer step after ``step`` is measured: the first eighth of each interval of ``every``
+        steps, its first at least."""
+        return step % every < max(1, every // SHARE)
+
     def _seen(self, grad: torch.Tensor) -> None:
-        self._squares.append(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        if self._active:
+            self._squares.append(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
 
     def micro_batch(self, scale: float) -> _Backward:
         """Around one backward whose gradients are ``scale`` times its batch's mean gradient (the loss scale, over the
@@ -94,13 +104,13 @@ class _Backward:
         self.noise, self.scale = noise, scale
 
     def __enter__(self) -> None:
-        self.noise._squares = []
+        self.noise._squares, self.noise._active = [], True
 
     def __exit__(self, *exc: Any) -> None:
         noise = self.noise
         if exc[0] is None and noise._squares:
             noise._micro.append(torch.stack(noise._squares).sum() / self.scale**2)
-        noise._squares = []
+        noise._squares, noise._active = [], False
 
 
 def for_run(engine: Any, *, asked: bool) -> tuple[NoiseScale | None, int, str]:

@@ -267,6 +267,7 @@ class Trainer:
         batches = self._batches()
         self.logs.restart()
         for _ in range(done_steps, self.steps_per_epoch):
+            measured = self.noise is not None and self.noise.measures(self.engine.global_steps, every=self.logs.every)
             result = train_step(
                 self.engine,
                 batches,
@@ -274,8 +275,8 @@ class Trainer:
                 guard=self.guard,
                 where=self._where,
                 after_backward=self.watch.after_backward,
-                noise=self.noise,
-                pieces=self.pieces,
+                noise=self.noise if measured else None,
+                pieces=self.pieces if measured else 1,
                 reduction=self.setup.reduction,
             )
             self.batch_in_epoch += self.accumulation
