@@ -261,8 +261,9 @@ class Config:
     noise_scale: bool = _field(
         True,
         "measure the gradient noise scale (the critical batch, B_simple) at every log point, from each rank's and "
-        "each accumulated micro-batch's gradient against the step's; with one rank and no accumulation each "
-        "micro-batch is split in two for it (docs/training.md, Large batches)",
+        "each accumulated micro-batch's gradient against the step's, on the first eighth of each log interval's "
+        "steps; with one rank and no accumulation those steps' micro-batches are split in two for it "
+        "(docs/training.md, Gradient noise scale)",
         resumable=True,
     )
     checkpoint_keep: int = _field(
