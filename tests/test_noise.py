@@ -22,10 +22,14 @@ from trainer.noise import NoiseScale
 from trainer.step import train_step
 
 micro, accumulation, pieces, steps = (int(a) for a in sys.argv[1:5])
+template, plan = load_ds_template(REPO / "ds_configs" / sys.argv[5]), BatchPlan(micro, accumulation, 1)
 device = init_distributed(DistEnv.from_environ(), 60.0)
-config = resolve_ds_config(
-    load_ds_template(REPO / "ds_configs" / "ds_fp32.json"), BatchPlan(micro, accumulation, 1), 0.0, device_type="cpu"
-)
+if template.get("fp16", {}).get("enabled"):  # DeepSpeed's GPU fp16 path, its loss scale and all, on the CPU
+    from tests.fp16_on_cpu import allow_fp16_on_cpu, gpu_ds_config
+    allow_fp16_on_cpu()
+    config = gpu_ds_config(template, plan, 0.0)
+else:
+    config = resolve_ds_config(template, plan, 0.0, device_type="cpu")
 gen = torch.Generator().manual_seed(0)
 d, sigma = 16, 0.5
 w_star = torch.randn(d, generator=gen)
@@ -35,13 +39,16 @@ with torch.no_grad():
     net.weight.copy_(w_star + delta)
 engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)  # lr 0: w stays
 skip_single_rank_reduction(engine)
+dtype = engine.module.weight.dtype
+start = engine.module.weight.detach().float().squeeze(0).clone()
+delta = start - w_star  # the weights as the engine holds them (rounded to fp16 there)
 noise = NoiseScale(engine.module, small=micro // pieces, big=micro * accumulation, device=engine.device)
-loss_fn = lambda out, y: 0.5 * (out.squeeze(-1) - y).square().mean()
+loss_fn = lambda out, y: 0.5 * (out.squeeze(-1).float() - y).square().mean()
 
 def batches():
     while True:
-        x = torch.randn(micro, d, generator=gen)
-        yield x, x @ w_star + sigma * torch.randn(micro, generator=gen)
+        x = torch.randn(micro, d, generator=gen).to(dtype).float()
+        yield x.to(dtype), x @ w_star + sigma * torch.randn(micro, generator=gen)
 
 stream = batches()
 for _ in range(steps):
@@ -50,12 +57,12 @@ estimate = noise.report()
 g2 = float(delta.square().sum())
 # per-sample gradient (delta.x - sigma eps) x: G = delta, tr(Sigma) = d (|delta|^2 + sigma^2) + |delta|^2
 print(json.dumps({"b_simple": estimate.b_simple, "exact": (d * (g2 + sigma**2) + g2) / g2, "unchanged": bool(
-    torch.equal(engine.module.weight.detach().squeeze(0), w_star + delta))}))
+    torch.equal(engine.module.weight.detach().float().squeeze(0), start)), "fp16": engine.fp16_enabled()}))
 """
 
 
-def _measure(micro: int, accumulation: int, pieces: int, steps: int = 300) -> dict:
-    command = [sys.executable, "-c", LEAST_SQUARES, *map(str, (micro, accumulation, pieces, steps))]
+def _measure(micro: int, accumulation: int, pieces: int, steps: int = 300, ds_json: str = "ds_fp32.json") -> dict:
+    command = [sys.executable, "-c", LEAST_SQUARES, *map(str, (micro, accumulation, pieces, steps)), ds_json]
     result = subprocess.run(command, cwd=REPO, env=single_process_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -67,6 +74,13 @@ def _measure(micro: int, accumulation: int, pieces: int, steps: int = 300) -> di
 def test_the_noise_scale_of_least_squares_is_the_exact_one(micro, accumulation, pieces):
     measured = _measure(micro, accumulation, pieces)
     assert measured["unchanged"]  # learning rate 0: every step measures the same weights
+    assert measured["b_simple"] == pytest.approx(measured["exact"], rel=0.2)
+
+
+def test_under_fp16_the_loss_scale_is_divided_out():
+    """DeepSpeed's fp16 path (a loss scale of 2^16 in every gradient the hooks see): the same noise scale."""
+    measured = _measure(4, 8, 1, ds_json="ds_fp16.json")
+    assert measured["fp16"] and measured["unchanged"]
     assert measured["b_simple"] == pytest.approx(measured["exact"], rel=0.2)
 
 
