@@ -37,6 +37,7 @@ from trainer.config import Config, build_config, config_parser, load_named, pars
 from trainer.data import RunData, build_data, prepare_data
 from trainer.dist import Device, DistEnv, init_distributed
 from trainer.errors import USER_ERRORS
+from trainer.noise import at_step as noise_at_step
 from trainer.noise import for_run as noise_for_run
 from trainer.provenance import rank_hosts
 from trainer.rundir import configure_logging
@@ -162,16 +163,17 @@ class TrainBench:
     def engine_step(self, *, synthetic: bool) -> float:
         """The training loop's step and checks (one reduction and host sync where the config asks for them)."""
         engine = self.engine
-        every = self.cfg.log_every_steps  # the trainer's measured steps
-        measured = self.noise is not None and self.noise.measures(engine.global_steps, every=every)
+        noise, pieces = noise_at_step(  # the trainer's measured steps
+            self.noise, self.pieces, step=engine.global_steps, every=self.cfg.log_every_steps
+        )
         result = train_step(
             engine,
             itertools.repeat(self.batch) if synthetic else self.batches,
             loss_fn=self.loss_fn,
             guard=self.guard,
             where=lambda index: f"step {engine.global_steps}",
-            noise=self.noise if measured else None,
-            pieces=self.pieces if measured else 1,
+            noise=noise,
+            pieces=pieces,
             reduction=self.setup.reduction,
         )
         return result.data_wait_s

@@ -164,7 +164,7 @@ def figure(records: list[dict[str, Any]], path: Path) -> None:
     handles = [Line2D([], [], color="black", label=f"{batches[0]}, base")]
     handles += [Line2D([], [], color=colours[b], linewidth=1.8, label=f"global batch {b}") for b in batches[1:]]
     handles += [
-        Line2D([], [], color="gray", linestyle=style, label=f"lr: {rule}") for rule, style in RULE_STYLES.items()
+        Line2D([], [], color="gray", linestyle=dashes, label=f"lr: {rule}") for rule, dashes in RULE_STYLES.items()
     ]
     handles += [Line2D([], [], color="gray", linewidth=1.8, label="half the base's steps")]
     handles += [Line2D([], [], color="gray", linewidth=0.9, alpha=0.45, label="the base's samples")]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, single_process_env
-from trainer.noise import NoiseScale, estimates
+from trainer.noise import NoiseScale, at_step, estimates
 
 LEAST_SQUARES = """
 import json, sys, torch, deepspeed
@@ -96,6 +96,9 @@ def test_the_estimates_undo_the_batch_sizes():
 def test_only_the_first_eighth_of_each_log_interval_is_measured():
     assert [step for step in range(48) if NoiseScale.measures(step, every=20)] == [0, 1, 20, 21, 40, 41]
     assert [step for step in range(12) if NoiseScale.measures(step, every=4)] == [0, 4, 8]  # the first at least
+    noise = NoiseScale(torch.nn.Linear(1, 1), small=1, big=2, device=torch.device("cpu"))
+    assert at_step(noise, 2, step=20, every=20) == (noise, 2)  # measured: split in two
+    assert at_step(noise, 2, step=5, every=20) == (None, 1)  # not: unsplit, nothing measured
 
 
 def test_the_hooks_measure_only_inside_a_measured_backward():

@@ -113,6 +113,14 @@ class _Backward:
         noise._squares, noise._active = [], False
 
 
+def at_step(noise: NoiseScale | None, pieces: int, *, step: int, every: int) -> tuple[NoiseScale | None, int]:
+    """What the optimizer step after ``step`` passes to ``train_step`` as ``noise`` and ``pieces``: the measurement
+    and the micro-batch's split on a measured step, neither on the others (the step unsplit, the hooks idle)."""
+    if noise is None or not noise.measures(step, every=every):
+        return None, 1
+    return noise, pieces
+
+
 def for_run(engine: Any, *, asked: bool) -> tuple[NoiseScale | None, int, str]:
     """The noise scale a run measures: the measurement (or None), the parts each micro-batch is split into for it, and
     what to say of it. Small batches are each rank's micro-batches, or with one rank and no accumulation each half."""

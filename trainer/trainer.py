@@ -29,6 +29,7 @@ from trainer.dist import Device, DistEnv, device_name
 from trainer.errors import DistError, out_of_memory
 from trainer.logpoint import LogPoints
 from trainer.loss_scaling import loss_scale
+from trainer.noise import at_step as noise_at_step
 from trainer.noise import for_run as noise_for_run
 from trainer.numerics import LearningWatch
 from trainer.preemption import StopRequest
@@ -267,7 +268,7 @@ class Trainer:
         batches = self._batches()
         self.logs.restart()
         for _ in range(done_steps, self.steps_per_epoch):
-            measured = self.noise is not None and self.noise.measures(self.engine.global_steps, every=self.logs.every)
+            noise, pieces = noise_at_step(self.noise, self.pieces, step=self.engine.global_steps, every=self.logs.every)
             result = train_step(
                 self.engine,
                 batches,
@@ -275,8 +276,8 @@ class Trainer:
                 guard=self.guard,
                 where=self._where,
                 after_backward=self.watch.after_backward,
-                noise=self.noise if measured else None,
-                pieces=self.pieces if measured else 1,
+                noise=noise,
+                pieces=pieces,
                 reduction=self.setup.reduction,
             )
             self.batch_in_epoch += self.accumulation
