@@ -1,7 +1,8 @@
 """The one loss of the project: L1 (the reference's), plus optional terms, all off by default: ``lambda_rho`` (gas
 density in original space), ``lambda_T`` and ``lambda_hot`` (the temperature in physical units, and weighted by
-it), ``lambda_v`` and ``lambda_div`` (the gas velocity, and its divergence) and ``lambda_pk`` (the crops' power
-spectra). docs/training.md (Loss) says what each computes and why.
+it), ``lambda_v`` and ``lambda_div`` (the gas velocity, and its divergence), ``lambda_pk`` (the crops' power
+spectra) and ``lambda_T_power`` (the temperature's fluctuation power at the crops' largest scales).
+docs/training.md (Loss) says what each computes and why.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 from pipeline.layout import GAS_DENSITY, TEMPERATURE, density, temperature
 
 POWER_FLOOR = 1e-12  # a truth without fluctuations (a constant crop): its total power is taken as this
+# The terms that need the temperature in kelvin, so the temperature's normalization.
+_NEED_TEMPERATURE = ("lambda_T", "lambda_hot", "lambda_T_power", "lambda_T_mse")
 
 
 @functools.cache
@@ -47,6 +50,28 @@ def divergence(v: torch.Tensor) -> torch.Tensor:
     ) / 2
 
 
+@functools.cache
+def _taper(size: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """A 3D Hann window over a crop: it takes the jump between a crop's opposite faces, which its FFT sees as a
+    periodic field's, out of the power at every scale."""
+    axes = [torch.sin(torch.pi * (torch.arange(n) + 0.5) / n).square() for n in size]
+    return (axes[0][:, None, None] * axes[1][None, :, None] * axes[2][None, None, :]).to(device)
+
+
+def temperature_power_gap(t_pred: torch.Tensor, t_true: torch.Tensor) -> torch.Tensor:
+    """Mean over the crops' shells 1 to a quarter of their Nyquist of |log(P_pred(k) / P_true(k))|, the batch's
+    power of two fields (B, D, H, W) per shell, each crop's mean taken out and the crop tapered to its faces: 0 when
+    the prediction has the true power at those scales, whatever its phases, and the same for too little power as for
+    too much by the same factor. Those shells are where a crop's truth has its fluctuations and the science target
+    judges them (k 1-16 of a 128^3 box in 32^3 crops)."""
+    fields = torch.stack((t_pred, t_true), dim=1)
+    fields = (fields - fields.mean(dim=(2, 3, 4), keepdim=True)) * _taper(tuple(fields.shape[2:]), fields.device)
+    power = crop_power(fields)
+    shells = max(1, min(t_true.shape[1:]) // 8)
+    p_pred, p_true = power[:, :shells].clamp_min(POWER_FLOOR)
+    return (p_pred.log() - p_true.log()).abs().mean()
+
+
 class MissingInput(ValueError):
     """A term asked for without what it needs (``what``): ``needs`` names the setting that gives it."""
 
@@ -64,15 +89,17 @@ class Loss:
     lambda_pk: float = 0.0
     lambda_T: float = 0.0
     lambda_hot: float = 0.0
+    lambda_T_power: float = 0.0
+    lambda_T_mse: float = 0.0
     lambda_v: float = 0.0
     lambda_div: float = 0.0
-    temperature_log_range: float | None = None  # needed by lambda_T and lambda_hot
+    temperature_log_range: float | None = None  # needed by lambda_T, lambda_hot and lambda_T_power
     velocity: tuple[int, ...] | None = (1, 2, 3)  # the gas velocity's x, y and z channels, for lambda_v, lambda_div
 
     def __post_init__(self) -> None:
         """Each term's prerequisites, the only place they are checked (the trainer says which file lacks them)."""
-        if (self.lambda_T or self.lambda_hot) and not self.temperature_log_range:
-            asked = " and ".join(name for name in ("lambda_T", "lambda_hot") if getattr(self, name))
+        if any(getattr(self, name) for name in _NEED_TEMPERATURE) and not self.temperature_log_range:
+            asked = " and ".join(name for name in _NEED_TEMPERATURE if getattr(self, name))
             raise MissingInput(f"{asked} needs the temperature's normalization", needs="temperature_log_range")
         if (self.lambda_v or self.lambda_div) and not self.velocity:
             raise MissingInput("lambda_v and lambda_div need the gas velocity's channels", needs="target_vectors")
@@ -88,7 +115,7 @@ class Loss:
         if self.lambda_rho:
             rho_pred, rho_target = density(pred[:, GAS_DENSITY]), density(target[:, GAS_DENSITY])
             loss = loss + self.lambda_rho * (rho_pred - rho_target).abs().mean()
-        if self.lambda_T or self.lambda_hot:
+        if any(getattr(self, name) for name in _NEED_TEMPERATURE):
             t_pred, t_true = (temperature(x[:, TEMPERATURE], self.temperature_log_range) for x in (pred, target))
             mean_t = t_true.mean()
             if self.lambda_T:
@@ -96,6 +123,10 @@ class Loss:
             if self.lambda_hot:
                 error = (pred[:, TEMPERATURE] - target[:, TEMPERATURE]).abs()
                 loss = loss + self.lambda_hot * (t_true / mean_t * error).mean()
+            if self.lambda_T_mse:
+                loss = loss + self.lambda_T_mse * (t_pred - t_true).square().mean() / mean_t.square()
+            if self.lambda_T_power:
+                loss = loss + self.lambda_T_power * temperature_power_gap(t_pred / mean_t, t_true / mean_t)
         if self.lambda_v or self.lambda_div:
             v_pred, v_true = (x[:, list(self.velocity)] for x in (pred, target))
             if self.lambda_v:

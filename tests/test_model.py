@@ -58,7 +58,7 @@ def test_loss_is_l1_plus_density_term():
     assert Loss(lambda_rho=0.3)(pred, target).item() == pytest.approx((l1 + 0.3 * rho).item(), rel=1e-6)
 
 
-def test_temperature_terms_are_l1_in_physical_units_and_l1_weighted_by_the_temperature():
+def test_temperature_terms_are_l1_and_l2_in_physical_units_and_l1_weighted_by_the_temperature():
     """Checked against float64 numpy: channel 4 holds log10(T / T0) / range."""
     rng = np.random.default_rng(1)
     pred, target = rng.uniform(-0.5, 1.0, (2, 2, 5, 4, 4, 4))
@@ -66,9 +66,11 @@ def test_temperature_terms_are_l1_in_physical_units_and_l1_weighted_by_the_tempe
     l1 = np.abs(pred - target).mean()
     physical = np.abs(t_pred - t_true).mean() / t_true.mean()
     weighted = (t_true / t_true.mean() * np.abs(pred[:, 4] - target[:, 4])).mean()
+    squared = np.square(t_pred - t_true).mean() / t_true.mean() ** 2
     tensors = torch.from_numpy(pred).float(), torch.from_numpy(target).float()
     assert Loss(lambda_T=0.5, temperature_log_range=3.0)(*tensors).item() == pytest.approx(l1 + 0.5 * physical, 1e-5)
     assert Loss(lambda_hot=0.2, temperature_log_range=3.0)(*tensors).item() == pytest.approx(l1 + 0.2 * weighted, 1e-5)
+    assert Loss(lambda_T_mse=0.3, temperature_log_range=3.0)(*tensors).item() == pytest.approx(l1 + 0.3 * squared, 1e-5)
     with pytest.raises(ValueError, match="temperature_log_range"):
         Loss(lambda_T=0.5)
 
@@ -85,6 +87,49 @@ def test_temperature_terms_pull_hardest_where_the_gas_is_hot(term):
     cold, hot = pred.grad[0, 4, 0, 0, 0].item(), pred.grad[0, 4, 1, 0, 0].item()
     assert cold > 0 and hot / cold == pytest.approx(100.0, rel=1e-4)
     assert pred.grad[0, :4].abs().sum() == 0
+
+
+def _lognormal_temperature(seed: int) -> torch.Tensor:
+    """A batch of crops whose channel 4 is a smooth log-normal temperature field (range 3), the others noise."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 5, 32, 32, 32, generator=generator)
+    x[:, 4] = torch.nn.functional.avg_pool3d(x[:, 4:5], 5, stride=1, padding=2, count_include_pad=False)[:, 0] / 3
+    return x
+
+
+def test_temperature_power_term_is_zero_for_the_truth_and_for_its_phases_and_positive_when_smoothed():
+    """The term compares the temperature's power per shell, not its place: a mirrored copy costs nothing, a smoothed
+    one costs about its lost power (in log), and only the temperature channel counts."""
+    target = _lognormal_temperature(0)
+    loss, l1 = Loss(lambda_T_power=1.0, temperature_log_range=3.0), Loss()
+
+    def term(pred: torch.Tensor) -> float:
+        return loss(pred, target).item() - l1(pred, target).item()
+
+    assert term(target) == pytest.approx(0.0, abs=1e-6)
+    assert term(target.flip(3)) == pytest.approx(0.0, abs=1e-5)
+    assert l1(target.flip(3), target).item() > 0.5
+    other_channels = target.clone()
+    other_channels[:, :4] = 0
+    assert term(other_channels) == pytest.approx(0.0, abs=1e-6)
+    smoothed = target.clone()
+    smoothed[:, 4] = torch.nn.functional.avg_pool3d(target[:, 4:5], 3, stride=1, padding=1)[:, 0]
+    lightly = target.clone()
+    lightly[:, 4] = 0.8 * target[:, 4] + 0.2 * smoothed[:, 4]
+    assert term(smoothed) > term(lightly) > 0.01
+    with pytest.raises(ValueError, match="lambda_T_power needs the temperature's normalization"):
+        Loss(lambda_T_power=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_temperature_power_term_has_finite_gradients_in_half_precision(dtype):
+    """Computed in float32 whatever the prediction's precision: 10^(3 x) and the powers of a crop overflow float16."""
+    target = _lognormal_temperature(1).to(dtype)
+    pred = torch.nn.functional.avg_pool3d(target.float(), 3, stride=1, padding=1).to(dtype).requires_grad_()
+    loss = Loss(lambda_T_power=1.0, temperature_log_range=3.0)(pred, target)
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert pred.grad.dtype == dtype and torch.isfinite(pred.grad).all() and pred.grad[:, 4].abs().sum() > 0
 
 
 def test_crop_power_puts_a_plane_wave_in_its_shell():

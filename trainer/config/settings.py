@@ -159,6 +159,19 @@ class Config:
         "temperature's normalization, as lambda_T)",
         bound="non-negative",
     )
+    lambda_T_mse: float = _field(
+        0.0,
+        "weight of a squared-error term on the temperature in physical units, relative to its mean squared (needs "
+        "the temperature's normalization, as lambda_T)",
+        bound="non-negative",
+    )
+    lambda_T_power: float = _field(
+        0.0,
+        "weight of a term on the temperature's fluctuation power in physical units: |log(P_pred / P_true)| per "
+        "shell of k of the batch's crops, up to a quarter of their Nyquist (needs the temperature's normalization, "
+        "as lambda_T)",
+        bound="non-negative",
+    )
     lambda_v: float = _field(
         0.0,
         "weight of an extra L1 term on the gas velocity channels (target_vectors' first group)",
