@@ -1,18 +1,19 @@
 """Loss remedies compared side by side: each arm trained with each seed, then its validation box predicted.
 
     python -m studies.remedies                                   # the debug config, the arms below, seeds 0 and 1
-    python -m studies.remedies --config science --seeds 0 --arms baseline lambda_T=0.1
+    python -m studies.remedies --config science --universes 20 --seeds 2 --arms baseline lambda_T_power=0.03
     python -m studies.remedies --table                           # the table of the newest records, nothing run
 
-An arm is ``name`` (the config as it is) or ``key=value[,key=value]`` (options of ds_train.py, without the
-dashes). A run whose directory already holds a finished summary and metrics is not run again. Each (arm, seed) is
-one record in bench/results/remedies.jsonl: L1 per channel (the table shows the velocity's as one mean), the
+An arm is ``name`` (the config as it is) or ``key=value[,key=value]`` (ds_train.py's options, without the dashes);
+a universe is a synthetic seed, whose boxes go beside the config's (data/synthetic/science-20/). A finished run
+is not run again. Each (universe, arm, seed) is one record in bench/results/remedies.jsonl: L1 per channel, the
 science target's statistics per field (gas density, temperature, vx, vy, vz; the speed beside them), the
-training's wall time and step rate.
+training's wall time and step rate, and gas density's and temperature's power ratio and r per shell of k.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -27,6 +28,7 @@ from trainer.config import load_named
 from trainer.rundir import SUMMARY
 
 RESULTS = REPO / "bench" / "results" / "remedies.jsonl"
+SHELLS = ("gas_density", "temperature")  # the fields whose spectra the records keep shell by shell
 ARMS = ["baseline", "lambda_T=0.1", "lambda_hot=0.3", "num_epochs=10"]
 
 
@@ -49,22 +51,51 @@ def _run(command: list[str]) -> None:
         sys.exit(f"failed (exit status {launched.returncode}): {' '.join(command)}")
 
 
-def run_arm(config: str, arm: str, seed: int, *, out_dir: Path, val_path: str) -> dict[str, Any]:
-    """Train the arm with this seed (unless its directory holds a finished run) and predict the validation box."""
-    run_dir = out_dir / f"{config}-{arm.replace('=', '_').replace(',', '+')}-seed{seed}"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Universe:
+    """The synthetic boxes a run trains and is judged on: ``seed`` the spec's seed, ``options`` what ds_train.py
+    needs to get them (none for the config's own), ``val_path`` the validation box that model.predict judges."""
+
+    seed: int | None
+    options: tuple[str, ...]
+    val_path: str
+    suffix: str  # of the run directory's name: empty for the config's own boxes
+
+
+def universe(cfg: dict[str, Any], seed: int | None) -> Universe:
+    """The config's own boxes (``seed`` None or the config's own synthetic seed) or another universe's, generated
+    in a directory beside the config's named after its seed."""
+    own = (cfg.get("synthetic") or {}).get("seed")
+    if seed is None or seed == own:
+        return Universe(seed=own, options=(), val_path=str(REPO / cfg["val_path"]), suffix="")
+    if not cfg.get("synthetic"):
+        raise ValueError(f"--universes needs a config with synthetic boxes; {cfg['train_path']} is not one")
+    data = Path(cfg["train_path"]).parent
+    data = data.with_name(f"{data.name}-{seed}")
+    train, val = data / "train.h5", data / "val.h5"
+    options = ("--synthetic.seed", str(seed), "--train_path", str(train), "--val_path", str(val))
+    return Universe(seed=seed, options=options, val_path=str(REPO / val), suffix=f"-u{seed}")
+
+
+def run_arm(config: str, arm: str, seed: int, *, out_dir: Path, boxes: Universe) -> dict[str, Any]:
+    """Train the arm with this seed on these boxes (unless its directory holds a finished run) and predict the
+    validation box."""
+    run_dir = out_dir / f"{config}-{arm.replace('=', '_').replace(',', '+')}{boxes.suffix}-seed{seed}"
     summary_path, metrics_path = run_dir / SUMMARY, run_dir / "prediction" / "metrics.json"
     if not (summary_path.exists() and json.loads(summary_path.read_text()).get("finished")):
-        options = ["--config", config, "--seed", str(seed), "--run_dir", str(run_dir), *arm_options(arm)]
+        options = ["--config", config, "--seed", str(seed), "--run_dir", str(run_dir), *boxes.options]
+        options += arm_options(arm)
         _run([sys.executable, "ds_train.py", *options, *(["--overwrite"] if run_dir.exists() else [])])
     if not metrics_path.exists():
         started = time.perf_counter()
-        _run([sys.executable, "-m", "model.predict", "--run_dir", str(run_dir), "--input", val_path])
+        _run([sys.executable, "-m", "model.predict", "--run_dir", str(run_dir), "--input", boxes.val_path])
         print(f"predicted in {time.perf_counter() - started:.0f} s", flush=True)
     summary, metrics = json.loads(summary_path.read_text()), json.loads(metrics_path.read_text())
     record: dict[str, Any] = {
         "bench": "remedies",
         "config": config,
         "arm": arm,
+        "universe": boxes.seed,
         "seed": seed,
         "run_dir": str(run_dir),
         "final_val_loss": summary["final_val_loss"],
@@ -77,7 +108,13 @@ def run_arm(config: str, arm: str, seed: int, *, out_dir: Path, val_path: str) -
         "summary": metrics["summary"],
     }
     record["target"] = {field: stats for field, stats in metrics["target"].items() if isinstance(stats, dict)}
+    record["shells"] = {field: {key: metrics[field][key] for key in ("k", "power_ratio", "r")} for field in SHELLS}
     return record
+
+
+def _arm(record: dict[str, Any]) -> str:
+    """The arm as the tables name it: with its universe where the record says which (older ones do not)."""
+    return record["arm"] if record.get("universe") is None else f"{record['arm']} (universe {record['universe']})"
 
 
 def _span(records: list[dict[str, Any]], field: str) -> str:
@@ -108,7 +145,7 @@ def table(records: list[dict[str, Any]]) -> str:
     ]
     newest: dict[tuple[str, str, int], dict[str, Any]] = {}
     for r in records:
-        newest[(r["config"], r["arm"], r["seed"])] = r
+        newest[(r["config"], _arm(r), r["seed"])] = r
     arms: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for (config, arm, _), r in sorted(newest.items(), key=lambda item: item[0][2]):
         arms.setdefault((config, arm), []).append(r)
@@ -133,7 +170,7 @@ def range_table(records: list[dict[str, Any]]) -> str:
     fields = ("gas_density", "temperature")
     head = " | ".join(f"{f.replace('_', ' ')} {name.replace('_', ' ')}" for f in fields for name in RANGES)
     rows = [f"| config | arm | seed | k ranges | {head} |", "| --- | --- | --- | --- |" + " --- |" * 4]
-    newest = {(r["config"], r["arm"], r["seed"]): r for r in records if "summary" in r}
+    newest = {(r["config"], _arm(r), r["seed"]): r for r in records if "summary" in r}
     for (config, arm, seed), r in newest.items():
         ks = " / ".join("-".join(map(str, r["k_ranges"][name])) for name in RANGES)
         cells = []
@@ -145,32 +182,72 @@ def range_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def shell_table(records: list[dict[str, Any]]) -> str:
+    """Markdown: per (config, arm, seed) with spectra kept per shell, the temperature's lowest-highest P/P in each
+    quarter of the target's shells and its lowest r over them, and gas density's over all of them."""
+    kept = {(r["config"], _arm(r), r["seed"]): r for r in records if "shells" in r}
+    if not kept:
+        return ""
+    rows = [
+        "| config | arm | seed | temperature P/P in quarters of the target's shells | temperature min r "
+        "| gas density P/P, min r |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for (config, arm, seed), r in kept.items():
+        k_max = r["k_max"]
+        bounds = [(1 + q * k_max // 4, (q + 1) * k_max // 4) for q in range(4)]
+        t, rho = r["shells"]["temperature"], r["shells"]["gas_density"]
+        cells = []
+        for low, high in bounds:
+            ratios = [p for k, p in zip(t["k"], t["power_ratio"], strict=True) if low <= k <= high]
+            cells.append(f"k {low}-{high}: {min(ratios):.3f}-{max(ratios):.3f}")
+        judged = [i for i, k in enumerate(t["k"]) if k <= k_max]
+        rho_ratios = [rho["power_ratio"][i] for i in judged]
+        rows.append(
+            f"| {config} | {arm} | {seed} | {'; '.join(cells)} | {min(t['r'][i] for i in judged):.3f} "
+            f"| {min(rho_ratios):.3f}-{max(rho_ratios):.3f}, {min(rho['r'][i] for i in judged):.3f} |"
+        )
+    return "\n".join(rows)
+
+
+def _tables(records: list[dict[str, Any]]) -> str:
+    return "\n\n".join(filter(None, (table(records), range_table(records), shell_table(records))))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m studies.remedies", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="debug")
     parser.add_argument("--arms", nargs="+", default=ARMS, help="'baseline' or key=value[,key=value] each")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument(
+        "--universes", nargs="+", type=int, default=[None], help="synthetic seeds of the boxes (default: the config's)"
+    )
     parser.add_argument("--out_dir", type=Path, default=REPO / "runs" / "remedies", help="where the runs go")
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
     parser.add_argument("--table", action="store_true", help="only print the table of the results file")
     args = parser.parse_args(argv)
     if args.table:
         records = read_records(args.out) if args.out.exists() else []
-        print(table(records) + "\n\n" + range_table(records))
+        print(_tables(records))
         return
     for arm in args.arms:
         try:
             arm_options(arm)
         except ValueError as err:
             parser.error(str(err))
-    val_path = str(REPO / load_named(REPO / "ds_configs" / "UNet.yaml", args.config)["val_path"])
+    cfg = load_named(REPO / "ds_configs" / "UNet.yaml", args.config)
+    try:
+        universes = [universe(cfg, seed) for seed in args.universes]
+    except ValueError as err:
+        parser.error(str(err))
     env = environment()
-    for arm in args.arms:
-        for seed in args.seeds:
-            record = run_arm(args.config, arm, seed, out_dir=args.out_dir, val_path=val_path) | env
-            append_records(args.out, [record])
+    for boxes in universes:
+        for arm in args.arms:
+            for seed in args.seeds:
+                record = run_arm(args.config, arm, seed, out_dir=args.out_dir, boxes=boxes) | env
+                append_records(args.out, [record])
     records = [r for r in read_records(args.out) if r["config"] == args.config and r["arm"] in args.arms]
-    print(table(records) + "\n\n" + range_table(records))
+    print(_tables(records))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 import pytest
 
-from studies.remedies import arm_options, range_table, table
+from bench.env import REPO
+from studies.remedies import arm_options, range_table, shell_table, table, universe
+from trainer.config import load_named
 
 
 def test_arms_become_options_and_a_malformed_one_is_named():
@@ -68,3 +70,41 @@ def test_the_range_table_gives_the_medians_per_k_range_and_leaves_out_records_wi
     rows = range_table([_record("baseline", 0, 0.5, 70), ranged]).splitlines()
     assert len(rows) == 3
     assert rows[2] == "| debug | lambda_T=0.1 | 0 | 1-8 / 9-32 | 1.010, 0.510 | 1.020, 0.520 | 1.510, 1.010 | - |"
+
+
+def test_a_universe_other_than_the_configs_gets_its_own_boxes_beside_the_configs():
+    cfg = load_named(REPO / "ds_configs" / "UNet.yaml", "science")
+    own = universe(cfg, None)
+    assert (own.seed, own.options, own.suffix) == (10, (), "") and own.val_path == str(REPO / cfg["val_path"])
+    assert universe(cfg, 10) == own
+    other = universe(cfg, 20)
+    assert other.options == (
+        "--synthetic.seed",
+        "20",
+        "--train_path",
+        "data/synthetic/science-20/train.h5",
+        "--val_path",
+        "data/synthetic/science-20/val.h5",
+    )
+    assert (other.seed, other.suffix, other.val_path) == (20, "-u20", str(REPO / "data/synthetic/science-20/val.h5"))
+    with pytest.raises(ValueError, match="needs a config with synthetic boxes"):
+        universe(load_named(REPO / "ds_configs" / "UNet.yaml", "base"), 20)
+
+
+def test_the_shell_table_gives_the_temperatures_power_per_quarter_of_the_target_and_names_the_universe():
+    k = list(range(1, 21))
+    record = _record("lambda_T_power=0.03", 2, 0.9, 90) | {
+        "universe": 20,
+        "k_max": 16,
+        "shells": {
+            "temperature": {"k": k, "power_ratio": [1.0 - 0.01 * i for i in k], "r": [0.999 - 0.001 * i for i in k]},
+            "gas_density": {"k": k, "power_ratio": [1.0 + 0.002 * i for i in k], "r": [0.995] * 20},
+        },
+    }
+    rows = shell_table([_record("baseline", 0, 0.5, 70), record]).splitlines()
+    assert len(rows) == 3
+    assert rows[2] == (
+        "| debug | lambda_T_power=0.03 (universe 20) | 2 | k 1-4: 0.960-0.990; k 5-8: 0.920-0.950; "
+        "k 9-12: 0.880-0.910; k 13-16: 0.840-0.870 | 0.983 | 1.002-1.032, 0.995 |"
+    )
+    assert "(universe 20)" in table([record]).splitlines()[2]
