@@ -1,14 +1,15 @@
 """Loss remedies compared side by side: each arm trained with each seed, then its validation box predicted.
 
     python -m studies.remedies                                   # the debug config, the arms below, seeds 0 and 1
-    python -m studies.remedies --config science --universes 20 --seeds 2 --arms baseline lambda_T_power=0.03
+    python -m studies.remedies --config science --universes 20 --seeds 2 --arms baseline --calibrate
     python -m studies.remedies --table                           # the table of the newest records, nothing run
 
 An arm is ``name`` (the config as it is) or ``key=value[,key=value]`` (ds_train.py's options, without the dashes);
-a universe is a synthetic seed, whose boxes go beside the config's (data/synthetic/science-20/). A finished run
-is not run again. Each (universe, arm, seed) is one record in bench/results/remedies.jsonl: L1 per channel, the
-science target's statistics per field (gas density, temperature, vx, vy, vz; the speed beside them), the
-training's wall time and step rate, and gas density's and temperature's power ratio and r per shell of k.
+a universe is a synthetic seed, whose boxes go beside the config's (data/synthetic/science-20/); ``--calibrate``
+judges the prediction again after model.calibrate's gains, fitted on the training box (arm "... +gains"). Finished
+steps are not run again. Each (universe, arm, seed) is a record in bench/results/remedies.jsonl: L1 per channel,
+the science target's statistics per field, the training's wall time and step rate, and gas density's and
+temperature's power ratio and r per shell of k.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Universe:
 
     seed: int | None
     options: tuple[str, ...]
+    train_path: str
     val_path: str
     suffix: str  # of the run directory's name: empty for the config's own boxes
 
@@ -67,19 +69,22 @@ def universe(cfg: dict[str, Any], seed: int | None) -> Universe:
     in a directory beside the config's named after its seed."""
     own = (cfg.get("synthetic") or {}).get("seed")
     if seed is None or seed == own:
-        return Universe(seed=own, options=(), val_path=str(REPO / cfg["val_path"]), suffix="")
+        paths = {"train_path": str(REPO / cfg["train_path"]), "val_path": str(REPO / cfg["val_path"])}
+        return Universe(seed=own, options=(), suffix="", **paths)
     if not cfg.get("synthetic"):
         raise ValueError(f"--universes needs a config with synthetic boxes; {cfg['train_path']} is not one")
     data = Path(cfg["train_path"]).parent
     data = data.with_name(f"{data.name}-{seed}")
     train, val = data / "train.h5", data / "val.h5"
     options = ("--synthetic.seed", str(seed), "--train_path", str(train), "--val_path", str(val))
-    return Universe(seed=seed, options=options, val_path=str(REPO / val), suffix=f"-u{seed}")
+    paths = {"train_path": str(REPO / train), "val_path": str(REPO / val)}
+    return Universe(seed=seed, options=options, suffix=f"-u{seed}", **paths)
 
 
-def run_arm(config: str, arm: str, seed: int, *, out_dir: Path, boxes: Universe) -> dict[str, Any]:
+def run_arm(config: str, arm: str, seed: int, *, out_dir: Path, boxes: Universe, calibrate: bool) -> list[dict]:
     """Train the arm with this seed on these boxes (unless its directory holds a finished run) and predict the
-    validation box."""
+    validation box; its record, and with ``calibrate`` a second one of the prediction calibrated by gains fitted
+    on the training box's (model.calibrate). Steps whose outputs are there are not run again."""
     run_dir = out_dir / f"{config}-{arm.replace('=', '_').replace(',', '+')}{boxes.suffix}-seed{seed}"
     summary_path, metrics_path = run_dir / SUMMARY, run_dir / "prediction" / "metrics.json"
     if not (summary_path.exists() and json.loads(summary_path.read_text()).get("finished")):
@@ -90,7 +95,37 @@ def run_arm(config: str, arm: str, seed: int, *, out_dir: Path, boxes: Universe)
         started = time.perf_counter()
         _run([sys.executable, "-m", "model.predict", "--run_dir", str(run_dir), "--input", boxes.val_path])
         print(f"predicted in {time.perf_counter() - started:.0f} s", flush=True)
-    summary, metrics = json.loads(summary_path.read_text()), json.loads(metrics_path.read_text())
+    summary = json.loads(summary_path.read_text())
+    records = [_record(config, arm, seed, boxes=boxes, run_dir=run_dir, summary=summary, metrics_path=metrics_path)]
+    if calibrate:
+        on_train, gains, calibrated = run_dir / "prediction-train", run_dir / "gains.json", run_dir / "calibrated"
+        predict = [sys.executable, "-m", "model.predict", "--run_dir", str(run_dir), "--input", boxes.train_path]
+        calibrate_cmd = [sys.executable, "-m", "model.calibrate", "--calibration", str(gains)]
+        if not (on_train / "metrics.json").exists():
+            _run([*predict, "--out", str(on_train)])
+        if not gains.exists():
+            _run([*calibrate_cmd, "--fit", str(on_train / "prediction.h5"), "--truth", boxes.train_path])
+        if not (calibrated / "metrics.json").exists():
+            apply = ["--apply", str(metrics_path.parent / "prediction.h5"), "--truth", boxes.val_path]
+            _run([*calibrate_cmd, *apply, "--out", str(calibrated)])
+        records.append(
+            _record(
+                config,
+                f"{arm} +gains",
+                seed,
+                boxes=boxes,
+                run_dir=run_dir,
+                summary=summary,
+                metrics_path=calibrated / "metrics.json",
+            )
+        )
+    return records
+
+
+def _record(
+    config: str, arm: str, seed: int, *, boxes: Universe, run_dir: Path, summary: dict, metrics_path: Path
+) -> dict[str, Any]:
+    metrics = json.loads(metrics_path.read_text())
     record: dict[str, Any] = {
         "bench": "remedies",
         "config": config,
@@ -98,6 +133,7 @@ def run_arm(config: str, arm: str, seed: int, *, out_dir: Path, boxes: Universe)
         "universe": boxes.seed,
         "seed": seed,
         "run_dir": str(run_dir),
+        "metrics": str(metrics_path),
         "final_val_loss": summary["final_val_loss"],
         "train_wall_s": summary["wall_s"],
         "samples_per_s": summary["samples_per_s"],
@@ -224,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--out_dir", type=Path, default=REPO / "runs" / "remedies", help="where the runs go")
     parser.add_argument("--out", type=output_file, default=RESULTS, help="results file (JSON lines), appended to")
+    parser.add_argument(
+        "--calibrate", action="store_true", help="also judge the prediction calibrated on the training box's"
+    )
     parser.add_argument("--table", action="store_true", help="only print the table of the results file")
     args = parser.parse_args(argv)
     if args.table:
@@ -244,9 +283,10 @@ def main(argv: list[str] | None = None) -> None:
     for boxes in universes:
         for arm in args.arms:
             for seed in args.seeds:
-                record = run_arm(args.config, arm, seed, out_dir=args.out_dir, boxes=boxes) | env
-                append_records(args.out, [record])
-    records = [r for r in read_records(args.out) if r["config"] == args.config and r["arm"] in args.arms]
+                records = run_arm(args.config, arm, seed, out_dir=args.out_dir, boxes=boxes, calibrate=args.calibrate)
+                append_records(args.out, [record | env for record in records])
+    arms = {*args.arms, *(f"{arm} +gains" for arm in args.arms)}
+    records = [r for r in read_records(args.out) if r["config"] == args.config and r["arm"] in arms]
     print(_tables(records))
 
 

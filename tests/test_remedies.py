@@ -76,6 +76,7 @@ def test_a_universe_other_than_the_configs_gets_its_own_boxes_beside_the_configs
     cfg = load_named(REPO / "ds_configs" / "UNet.yaml", "science")
     own = universe(cfg, None)
     assert (own.seed, own.options, own.suffix) == (10, (), "") and own.val_path == str(REPO / cfg["val_path"])
+    assert own.train_path == str(REPO / cfg["train_path"])
     assert universe(cfg, 10) == own
     other = universe(cfg, 20)
     assert other.options == (
@@ -87,6 +88,7 @@ def test_a_universe_other_than_the_configs_gets_its_own_boxes_beside_the_configs
         "data/synthetic/science-20/val.h5",
     )
     assert (other.seed, other.suffix, other.val_path) == (20, "-u20", str(REPO / "data/synthetic/science-20/val.h5"))
+    assert other.train_path == str(REPO / "data/synthetic/science-20/train.h5")
     with pytest.raises(ValueError, match="needs a config with synthetic boxes"):
         universe(load_named(REPO / "ds_configs" / "UNet.yaml", "base"), 20)
 

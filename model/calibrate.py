@@ -1,0 +1,180 @@
+"""A gain per scale for gas density and temperature, fitted on a prediction whose truth is known (the training box's)
+and applied to another: the amplitude the network's smoothing leaves out, put back.
+
+    python -m model.predict --run_dir RUN --input train.h5 --out RUN/prediction-train
+    python -m model.calibrate --fit RUN/prediction-train/prediction.h5 --truth train.h5 --calibration RUN/gains.json
+    python -m model.calibrate --calibration RUN/gains.json --apply RUN/prediction/prediction.h5 --truth val.h5 \
+        --out RUN/calibrated
+
+The gains multiply the Fourier modes of the network's own channels (log rho / 14, log10(T / T0) / range), so the
+fields stay positive; they are fitted, by damped iterations on the training box, to bring the power of rho and T to
+the truth's in every shell of the science target's scales (to a quarter of Nyquist), tapered to 1 over half as far
+again and 1 at k = 0. Periodic boxes, whole in memory: about 45 bytes a voxel of the training box to fit, 40 to
+apply and judge. docs/prediction.md measures it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+import h5py
+import numpy as np
+import torch
+
+from common.cli import ArgumentParser, existing_file, output_dir, output_file
+from common.files import write_text_atomically
+from common.outputs import OutputError, claim_directory, claim_files
+from model.metrics import Normalization, compare, contrast, spectra
+from model.report import spectra_table
+from pipeline.layout import GAS_DENSITY, HYDRO_DATASET, TEMPERATURE, density, temperature
+from pipeline.volumes import DataError, read_hdf5
+
+log = logging.getLogger("calibrate")
+
+FIELDS = {"gas_density": GAS_DENSITY, "temperature": TEMPERATURE}
+GAIN_LIMITS = (0.5, 2.0)  # a gain outside these says the prediction is far off, not that the network smooths
+TOLERANCE = 0.005  # the fit stops when every shell's power is within this of the truth's on the training box
+DAMPING = 0.2  # the power of T = 10^(3 x) moves about 2.5 times as fast as x^2 with a gain on x: a smaller step
+ITERATIONS = 30
+PREDICTION, METRICS = "prediction.h5", "metrics.json"
+
+
+def _physical(name: str, x: torch.Tensor, norm: Normalization) -> np.ndarray:
+    values = density(x) if name == "gas_density" else temperature(x, norm.temperature_log_range)
+    return contrast(values.double().numpy())
+
+
+def gain_grid(frequency: list[float], gain: list[float], shape: tuple[int, ...]) -> torch.Tensor:
+    """The gain at every rfft mode of a grid of ``shape``, interpolated in |f| (cycles per voxel): 1 at f = 0,
+    tapered from the last fitted frequency to 1 at 1.5 times it, 1 beyond."""
+    freqs = [np.fft.fftfreq(n) for n in shape[:-1]] + [np.fft.rfftfreq(shape[-1])]
+    f = np.sqrt(freqs[0][:, None, None] ** 2 + freqs[1][None, :, None] ** 2 + freqs[2][None, None, :] ** 2)
+    values = np.interp(f, [0.0, *frequency, 1.5 * frequency[-1]], [1.0, *gain, 1.0], right=1.0)
+    return torch.from_numpy(values.astype(np.float32))
+
+
+def filtered(x: torch.Tensor, frequency: list[float], gain: list[float]) -> torch.Tensor:
+    """A channel (L1, L2, L3) with its Fourier modes multiplied by the gains."""
+    shape = tuple(x.shape)
+    return torch.fft.irfftn(torch.fft.rfftn(x) * gain_grid(frequency, gain, shape), s=shape)
+
+
+def fit(pred: Any, true: Any, norm: Normalization) -> dict[str, Any]:
+    """The gains that bring the power of rho and T of ``pred`` (a normalized (5, L, L, L) box) to ``true``'s in every
+    shell to a quarter of Nyquist (and not beyond the truth's cut-off): g <- g (P_pred / P_true)^-DAMPING until
+    within TOLERANCE. Per field: the frequencies (cycles per voxel), the gains, and the ratios before and after."""
+    if norm.temperature_log_range is None:
+        raise ValueError("the temperature's normalization is unknown: the truth's file does not say it")
+    side = min(true.shape[1:])
+    fields = {}
+    for name, channel in FIELDS.items():
+        x = torch.from_numpy(np.ascontiguousarray(pred[channel], dtype=np.float32))
+        p_true = spectra(_physical(name, torch.from_numpy(np.asarray(true[channel], dtype=np.float32)), norm))["p_a"]
+        resolved = np.flatnonzero(p_true <= 1e-6 * p_true.max())
+        last = min(side // 8, int(resolved[0]) if resolved.size else side // 8)
+        frequency, gain = [k / side for k in range(1, last + 1)], np.ones(last)
+        for iteration in range(ITERATIONS + 1):
+            ratio = spectra(_physical(name, filtered(x, frequency, gain.tolist()), norm))["p_a"][:last] / p_true[:last]
+            if iteration == 0:
+                before = ratio
+            if np.abs(ratio - 1).max() <= TOLERANCE:
+                break
+            gain *= ratio**-DAMPING
+        converged = bool(np.abs(ratio - 1).max() <= TOLERANCE)
+        if not converged:
+            log.warning("%s: the training box's power ratio is still %.3f-%.3f", name, ratio.min(), ratio.max())
+        if gain.min() < GAIN_LIMITS[0] or gain.max() > GAIN_LIMITS[1]:
+            raise ValueError(f"{name}: gains {gain.min():.2f}-{gain.max():.2f}: the prediction is too far off")
+        fields[name] = {
+            "frequency": frequency,
+            "gain": gain.tolist(),
+            "ratio_before": [float(before.min()), float(before.max())],
+            "ratio_after": [float(ratio.min()), float(ratio.max())],
+            "iterations": iteration,
+            "converged": converged,
+        }
+    return {"fields": fields}
+
+
+def apply(hydro: np.ndarray, calibration: dict[str, Any]) -> None:
+    """Multiply gas density's and temperature's channels' Fourier modes of a normalized (5, L1, L2, L3) box by the
+    calibration's gains, in place."""
+    for name, channel in FIELDS.items():
+        fitted = calibration["fields"][name]
+        hydro[channel] = filtered(torch.from_numpy(hydro[channel]), fitted["frequency"], fitted["gain"]).numpy()
+
+
+def _read(path: Any) -> tuple[np.ndarray, dict[str, Any]]:
+    with read_hdf5(path) as f:
+        return f[HYDRO_DATASET][...].astype(np.float32), dict(f.attrs)
+
+
+def _fit(args: Any) -> None:
+    with read_hdf5(args.fit) as p, read_hdf5(args.truth) as t:
+        pred, true = p[HYDRO_DATASET], t[HYDRO_DATASET]  # read a channel at a time
+        if true.shape != pred.shape:
+            raise DataError(f"{args.truth}: true hydro {true.shape} and prediction {pred.shape} differ")
+        norm = Normalization.from_attrs(t.attrs)
+        calibration = fit(pred, true, norm) | {"fitted_on": [str(args.fit), str(args.truth)]}
+    claim_files([args.calibration], by="model.calibrate", overwrite=True, advice="choose another --calibration")
+    write_text_atomically(args.calibration, json.dumps(calibration, indent=1) + "\n")
+    for name, fitted in calibration["fields"].items():
+        log.info(
+            "%s: gains %.3f-%.3f over %d shells; power ratio %.3f-%.3f before, %.3f-%.3f after (%d iterations)",
+            *(name, min(fitted["gain"]), max(fitted["gain"]), len(fitted["gain"])),
+            *fitted["ratio_before"],
+            *fitted["ratio_after"],
+            fitted["iterations"],
+        )
+    print(f"wrote {args.calibration}")
+
+
+def _apply(args: Any) -> None:
+    hydro, attrs = _read(args.apply)
+    apply(hydro, json.loads(args.calibration.read_text()))
+    claim_directory(args.out, [PREDICTION, METRICS], by="model.calibrate", beside=False, advice="choose another --out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with h5py.File(args.out / PREDICTION, "w") as f:
+        f.create_dataset(HYDRO_DATASET, data=hydro)
+        f.attrs.update(attrs)
+        f.attrs["calibration"] = str(args.calibration)
+    log.info("wrote %s", args.out / PREDICTION)
+    if args.truth is None:
+        return
+    true, true_attrs = _read(args.truth)
+    if true.shape != hydro.shape:
+        raise DataError(f"{args.truth}: true hydro {true.shape} and prediction {hydro.shape} differ")
+    metrics = compare(hydro, true, Normalization.from_attrs(true_attrs))
+    write_text_atomically(args.out / METRICS, json.dumps(metrics | {"files": {"prediction": str(args.out)}}) + "\n")
+    print(spectra_table(metrics), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    parser = ArgumentParser(prog="python -m model.calibrate", description=__doc__.split("\n\n")[0])
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "--fit", type=existing_file, help="prediction.h5 of model.predict on a periodic box: needs --truth"
+    )
+    what.add_argument("--apply", type=existing_file, help="prediction.h5 of model.predict on a periodic box")
+    parser.add_argument("--calibration", type=output_file, required=True, help="the gains (JSON): --fit writes it")
+    parser.add_argument("--truth", type=existing_file, help="HDF5 file with the true Hydro (--apply: metrics.json)")
+    parser.add_argument("--out", type=output_dir, help="--apply: writes prediction.h5 (and metrics.json) here")
+    args = parser.parse_args(argv)
+    if args.apply and not args.out:
+        parser.error("--apply needs --out")
+    if args.apply and not args.calibration.is_file():
+        parser.error(f"--calibration {args.calibration}: no such file (--fit writes it)")
+    if args.fit and (args.out or not args.truth):
+        parser.error("--fit needs --truth, and --out goes with --apply")
+    try:
+        _fit(args) if args.fit else _apply(args)
+    except (ValueError, KeyError, OSError, OutputError) as err:
+        sys.exit(f"model.calibrate: {err}")
+
+
+if __name__ == "__main__":
+    main()
