@@ -1,16 +1,16 @@
-"""A gain per scale for gas density and temperature, fitted on a prediction whose truth is known (the training box's)
-and applied to another: the amplitude the network's smoothing leaves out, put back.
+"""Gains per scale for gas density, temperature and the gas velocity, fitted on a prediction whose truth is known
+(the training box's) and applied to another: the amplitude the network's smoothing leaves out, put back.
 
     python -m model.predict --run_dir RUN --input train.h5 --out RUN/prediction-train
     python -m model.calibrate --fit RUN/prediction-train/prediction.h5 --truth train.h5 --calibration RUN/gains.json
     python -m model.calibrate --calibration RUN/gains.json --apply RUN/prediction/prediction.h5 --truth val.h5 \
         --out RUN/calibrated
 
-The gains multiply the Fourier modes of the network's own channels (log rho / 14, log10(T / T0) / range), so the
-fields stay positive; they are fitted, by damped iterations on the training box, to bring the power of rho and T to
-the truth's in every shell of the science target's scales (to a quarter of Nyquist), tapered to 1 over half as far
-again and 1 at k = 0. Periodic boxes, whole in memory: about 45 bytes a voxel of the training box to fit, 40 to
-apply and judge. docs/prediction.md measures it.
+The gains multiply the Fourier modes of the network's own channels (log rho / 14, log10(T / T0) / range, v), so rho
+and T stay positive; fitted by damped iterations on the training box, they bring the power of rho, T and v (one
+gain for the three components) to the truth's in every shell to a quarter of Nyquist (the science target's),
+tapered to 1 over half as far again, 1 at k = 0. Periodic boxes, whole in memory: about 45 bytes a voxel of the
+training box to fit, 40 to apply and judge. docs/prediction.md measures it.
 """
 
 from __future__ import annotations
@@ -29,12 +29,18 @@ from common.files import write_text_atomically
 from common.outputs import OutputError, claim_directory, claim_files
 from model.metrics import Normalization, compare, contrast, spectra
 from model.report import spectra_table
-from pipeline.layout import GAS_DENSITY, HYDRO_DATASET, TEMPERATURE, density, temperature
+from pipeline.layout import GAS_DENSITY, HYDRO_CHANNELS, HYDRO_DATASET, TEMPERATURE, density, temperature
 from pipeline.volumes import DataError, read_hdf5
 
 log = logging.getLogger("calibrate")
 
-FIELDS = {"gas_density": GAS_DENSITY, "temperature": TEMPERATURE}
+# The fields a gain is fitted for, and their channels: the gas velocity's three share one gain per scale (its power
+# summed over them), so that the gains turn with the box.
+FIELDS = {
+    "gas_density": (GAS_DENSITY,),
+    "temperature": (TEMPERATURE,),
+    "velocity": tuple(HYDRO_CHANNELS.index(v) for v in ("vx", "vy", "vz")),
+}
 GAIN_LIMITS = (0.5, 2.0)  # a gain outside these says the prediction is far off, not that the network smooths
 TOLERANCE = 0.005  # the fit stops when every shell's power is within this of the truth's on the training box
 DAMPING = 0.2  # the power of T = 10^(3 x) moves about 2.5 times as fast as x^2 with a gain on x: a smaller step
@@ -42,9 +48,14 @@ ITERATIONS = 30
 PREDICTION, METRICS = "prediction.h5", "metrics.json"
 
 
-def _physical(name: str, x: torch.Tensor, norm: Normalization) -> np.ndarray:
+def _power(name: str, channels: list[torch.Tensor], norm: Normalization) -> np.ndarray:
+    """Per shell, the power the science metrics judge: of rho's and T's contrasts, of the velocity's channels
+    themselves (summed)."""
+    if name == "velocity":
+        return sum(spectra(x.double().numpy())["p_a"] for x in channels)
+    (x,) = channels
     values = density(x) if name == "gas_density" else temperature(x, norm.temperature_log_range)
-    return contrast(values.double().numpy())
+    return spectra(contrast(values.double().numpy()))["p_a"]
 
 
 def gain_grid(frequency: list[float], gain: list[float], shape: tuple[int, ...]) -> torch.Tensor:
@@ -63,21 +74,25 @@ def filtered(x: torch.Tensor, frequency: list[float], gain: list[float]) -> torc
 
 
 def fit(pred: Any, true: Any, norm: Normalization) -> dict[str, Any]:
-    """The gains that bring the power of rho and T of ``pred`` (a normalized (5, L, L, L) box) to ``true``'s in every
+    """The gains that bring each field's power in ``pred`` (a normalized (5, L, L, L) box) to ``true``'s in every
     shell to a quarter of Nyquist (and not beyond the truth's cut-off): g <- g (P_pred / P_true)^-DAMPING until
     within TOLERANCE. Per field: the frequencies (cycles per voxel), the gains, and the ratios before and after."""
     if norm.temperature_log_range is None:
         raise ValueError("the temperature's normalization is unknown: the truth's file does not say it")
     side = min(true.shape[1:])
     fields = {}
-    for name, channel in FIELDS.items():
-        x = torch.from_numpy(np.ascontiguousarray(pred[channel], dtype=np.float32))
-        p_true = spectra(_physical(name, torch.from_numpy(np.asarray(true[channel], dtype=np.float32)), norm))["p_a"]
-        resolved = np.flatnonzero(p_true <= 1e-6 * p_true.max())
-        last = min(side // 8, int(resolved[0]) if resolved.size else side // 8)
+    for name, channels in FIELDS.items():
+        read = lambda box, c: torch.from_numpy(np.ascontiguousarray(box[c], dtype=np.float32))  # noqa: E731
+        x = [read(pred, c) for c in channels]
+        p_true = _power(name, [read(true, c) for c in channels], norm)
+        unresolved = np.flatnonzero(p_true <= 1e-6 * p_true.max())
+        last = min(side // 8, int(unresolved[0]) if unresolved.size else side // 8)
+        if last == 0:  # a truth without fluctuations (no flows): nothing to fit
+            fields[name] = {"frequency": [], "gain": []}
+            continue
         frequency, gain = [k / side for k in range(1, last + 1)], np.ones(last)
         for iteration in range(ITERATIONS + 1):
-            ratio = spectra(_physical(name, filtered(x, frequency, gain.tolist()), norm))["p_a"][:last] / p_true[:last]
+            ratio = _power(name, [filtered(c, frequency, gain.tolist()) for c in x], norm)[:last] / p_true[:last]
             if iteration == 0:
                 before = ratio
             if np.abs(ratio - 1).max() <= TOLERANCE:
@@ -100,11 +115,14 @@ def fit(pred: Any, true: Any, norm: Normalization) -> dict[str, Any]:
 
 
 def apply(hydro: np.ndarray, calibration: dict[str, Any]) -> None:
-    """Multiply gas density's and temperature's channels' Fourier modes of a normalized (5, L1, L2, L3) box by the
-    calibration's gains, in place."""
-    for name, channel in FIELDS.items():
-        fitted = calibration["fields"][name]
-        hydro[channel] = filtered(torch.from_numpy(hydro[channel]), fitted["frequency"], fitted["gain"]).numpy()
+    """Multiply each fitted field's channels' Fourier modes of a normalized (5, L1, L2, L3) box by its gains, in
+    place."""
+    for name, channels in FIELDS.items():
+        fitted = calibration["fields"].get(name)
+        if not fitted or not fitted["gain"]:
+            continue
+        for c in channels:
+            hydro[c] = filtered(torch.from_numpy(hydro[c]), fitted["frequency"], fitted["gain"]).numpy()
 
 
 def _read(path: Any) -> tuple[np.ndarray, dict[str, Any]]:
@@ -122,6 +140,9 @@ def _fit(args: Any) -> None:
     claim_files([args.calibration], by="model.calibrate", overwrite=True, advice="choose another --calibration")
     write_text_atomically(args.calibration, json.dumps(calibration, indent=1) + "\n")
     for name, fitted in calibration["fields"].items():
+        if not fitted["gain"]:
+            log.info("%s: the truth has no fluctuations, no gains", name)
+            continue
         log.info(
             "%s: gains %.3f-%.3f over %d shells; power ratio %.3f-%.3f before, %.3f-%.3f after (%d iterations)",
             *(name, min(fitted["gain"]), max(fitted["gain"]), len(fitted["gain"])),
