@@ -25,6 +25,7 @@ from typing import Any
 from bench.cases import launch
 from bench.env import REPO, append_records, environment, read_records
 from common.cli import ArgumentParser, output_file
+from common.files import written_atomically
 from trainer.config import load_named
 from trainer.rundir import SUMMARY
 
@@ -246,6 +247,45 @@ def shell_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def figure(records: list[dict[str, Any]], path: Path) -> Path:
+    """Gas density's and temperature's P_pred / P_true per shell for each run with spectra kept and its calibrated
+    twin ("... +gains"), as trained (dashed) and calibrated (solid), with the tight target's band and last k."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = {}
+    for r in records:
+        if "shells" in r:
+            pairs.setdefault((r["config"], r["arm"].removesuffix(" +gains"), r.get("universe"), r["seed"]), {})[
+                "calibrated" if r["arm"].endswith(" +gains") else "trained"
+            ] = r
+    pairs = {key: pair for key, pair in pairs.items() if len(pair) == 2}
+    if not pairs:
+        raise ValueError("no run with its calibrated twin in the records (studies.remedies --calibrate)")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for i, ((_, arm, universe, seed), pair) in enumerate(sorted(pairs.items(), key=str)):
+        color = plt.get_cmap("tab10")(i)
+        k_max = pair["trained"]["k_max"]
+        for ax, (field, band) in zip(axes, (("gas_density", 0.03), ("temperature", 0.05)), strict=True):
+            for which, style in (("trained", "--"), ("calibrated", "-")):
+                shells = pair[which]["shells"][field]
+                k = [k for k in shells["k"] if k <= 2 * k_max]
+                label = f"{arm}, universe {universe}, seed {seed}, {which}" if field == "temperature" else None
+                ax.plot(k, shells["power_ratio"][: len(k)], style, color=color, label=label)
+            ax.axhspan(1 - band, 1 + band, color="0.9", zorder=0)
+            ax.axvline(k_max, color="0.5", lw=0.8)
+            ax.set(title=f"{field.replace('_', ' ')}: tight target within {band:.0%} to k = {k_max}", xlabel="k")
+    axes[0].set_ylabel("P_pred / P_true")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    with written_atomically(path) as tmp:
+        fig.savefig(tmp, dpi=90, format="png")
+    plt.close(fig)
+    return path
+
+
 def _tables(records: list[dict[str, Any]]) -> str:
     return "\n\n".join(filter(None, (table(records), range_table(records), shell_table(records))))
 
@@ -264,10 +304,16 @@ def main(argv: list[str] | None = None) -> None:
         "--calibrate", action="store_true", help="also judge the prediction calibrated on the training box's"
     )
     parser.add_argument("--table", action="store_true", help="only print the table of the results file")
+    parser.add_argument("--figure", type=output_file, help="with --table: draw the calibrated runs' spectra (PNG)")
     args = parser.parse_args(argv)
     if args.table:
         records = read_records(args.out) if args.out.exists() else []
         print(_tables(records))
+        if args.figure:
+            try:
+                print(f"wrote {figure(records, args.figure)}")
+            except ValueError as err:
+                parser.error(str(err))
         return
     for arm in args.arms:
         try:

@@ -3,7 +3,7 @@
 import pytest
 
 from bench.env import REPO
-from studies.remedies import arm_options, range_table, shell_table, table, universe
+from studies.remedies import arm_options, figure, range_table, shell_table, table, universe
 from trainer.config import load_named
 
 
@@ -110,3 +110,13 @@ def test_the_shell_table_gives_the_temperatures_power_per_quarter_of_the_target_
         "k 9-12: 0.880-0.910; k 13-16: 0.840-0.870 | 0.983 | 1.002-1.032, 0.995 |"
     )
     assert "(universe 20)" in table([record]).splitlines()[2]
+
+
+def test_the_figure_pairs_each_run_with_its_calibrated_twin(tmp_path):
+    k = list(range(1, 33))
+    shells = {f: {"k": k, "power_ratio": [1.0] * 32, "r": [0.99] * 32} for f in ("gas_density", "temperature")}
+    trained = _record("baseline", 2, 0.9, 90) | {"universe": 20, "k_max": 16, "shells": shells}
+    with pytest.raises(ValueError, match="no run with its calibrated twin"):
+        figure([trained], tmp_path / "alone.png")
+    path = figure([trained, trained | {"arm": "baseline +gains"}], tmp_path / "pair.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
