@@ -9,8 +9,8 @@
 The gains multiply the Fourier modes of the network's own channels (log rho / 14, log10(T / T0) / range, v), so rho
 and T stay positive; fitted by damped iterations on the training box, they bring the power of rho, T and v (one
 gain for the three components) to the truth's in every shell to a quarter of Nyquist (the science target's),
-tapered to 1 over half as far again, 1 at k = 0. Periodic boxes, whole in memory: about 45 bytes a voxel of the
-training box to fit, 40 to apply and judge. docs/prediction.md measures it.
+tapered to 1 over half as far again, 1 at k = 0. Periodic boxes, whole in memory: about 50 bytes a voxel of the
+training box to fit; the box's 20 and a channel's transform to apply. docs/prediction.md measures it.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ FIELDS = {
 }
 GAIN_LIMITS = (0.5, 2.0)  # a gain outside these says the prediction is far off, not that the network smooths
 TOLERANCE = 0.005  # the fit stops when every shell's power is within this of the truth's on the training box
-DAMPING = 0.2  # the power of T = 10^(3 x) moves about 2.5 times as fast as x^2 with a gain on x: a smaller step
+DAMPING = 0.2  # the power of T = 10^(3 x) answers a gain on x faster than x's own: a full step overshoots
 ITERATIONS = 30
 PREDICTION, METRICS = "prediction.h5", "metrics.json"
 
