@@ -26,7 +26,7 @@ import torch
 
 from common.cli import ArgumentParser, existing_file, output_dir, output_file
 from common.files import write_text_atomically
-from common.outputs import OutputError, claim_directory, claim_files
+from common.outputs import OutputError, claim_directory, claim_files, refuse_inputs
 from model.metrics import Normalization, compare, contrast, spectra
 from model.report import spectra_table
 from pipeline.layout import GAS_DENSITY, HYDRO_CHANNELS, HYDRO_DATASET, TEMPERATURE, density, temperature
@@ -93,15 +93,17 @@ def fit(pred: Any, true: Any, norm: Normalization) -> dict[str, Any]:
         frequency, gain = [k / side for k in range(1, last + 1)], np.ones(last)
         for iteration in range(ITERATIONS + 1):
             ratio = _power(name, [filtered(c, frequency, gain.tolist()) for c in x], norm)[:last] / p_true[:last]
+            if not np.all(np.isfinite(ratio) & (ratio > 0)):
+                raise ValueError(f"{name}: the prediction has no power in some of the shells to fit; no gain helps")
             if iteration == 0:
                 before = ratio
-            if np.abs(ratio - 1).max() <= TOLERANCE:
-                break
+            converged = bool(np.abs(ratio - 1).max() <= TOLERANCE)
+            if converged or iteration == ITERATIONS:
+                break  # the gains kept are those this ratio was measured with
             gain *= ratio**-DAMPING
-        converged = bool(np.abs(ratio - 1).max() <= TOLERANCE)
         if not converged:
             log.warning("%s: the training box's power ratio is still %.3f-%.3f", name, ratio.min(), ratio.max())
-        if gain.min() < GAIN_LIMITS[0] or gain.max() > GAIN_LIMITS[1]:
+        if not (GAIN_LIMITS[0] <= gain.min() and gain.max() <= GAIN_LIMITS[1]):
             raise ValueError(f"{name}: gains {gain.min():.2f}-{gain.max():.2f}: the prediction is too far off")
         fields[name] = {
             "frequency": frequency,
@@ -131,6 +133,9 @@ def _read(path: Any) -> tuple[np.ndarray, dict[str, Any]]:
 
 
 def _fit(args: Any) -> None:
+    refuse_inputs([args.calibration], [args.fit, args.truth])
+    if args.calibration.exists() and not args.overwrite:
+        raise OutputError(f"{args.calibration} exists: --overwrite replaces it, or choose another --calibration")
     with read_hdf5(args.fit) as p, read_hdf5(args.truth) as t:
         pred, true = p[HYDRO_DATASET], t[HYDRO_DATASET]  # read a channel at a time
         if true.shape != pred.shape:
@@ -154,20 +159,22 @@ def _fit(args: Any) -> None:
 
 
 def _apply(args: Any) -> None:
+    refuse_inputs([args.out / PREDICTION, args.out / METRICS], [args.apply, args.truth, args.calibration])
     hydro, attrs = _read(args.apply)
+    true, true_attrs = _read(args.truth) if args.truth else (None, {})
+    if true is not None and true.shape != hydro.shape:
+        raise DataError(f"{args.truth}: true hydro {true.shape} and prediction {hydro.shape} differ")
     apply(hydro, json.loads(args.calibration.read_text()))
     claim_directory(args.out, [PREDICTION, METRICS], by="model.calibrate", beside=False, advice="choose another --out")
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / METRICS).unlink(missing_ok=True)  # of an earlier prediction there: never left beside this one
     with h5py.File(args.out / PREDICTION, "w") as f:
         f.create_dataset(HYDRO_DATASET, data=hydro)
         f.attrs.update(attrs)
         f.attrs["calibration"] = str(args.calibration)
     log.info("wrote %s", args.out / PREDICTION)
-    if args.truth is None:
+    if true is None:
         return
-    true, true_attrs = _read(args.truth)
-    if true.shape != hydro.shape:
-        raise DataError(f"{args.truth}: true hydro {true.shape} and prediction {hydro.shape} differ")
     metrics = compare(hydro, true, Normalization.from_attrs(true_attrs))
     write_text_atomically(args.out / METRICS, json.dumps(metrics | {"files": {"prediction": str(args.out)}}) + "\n")
     print(spectra_table(metrics), flush=True)
@@ -184,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibration", type=output_file, required=True, help="the gains (JSON): --fit writes it")
     parser.add_argument("--truth", type=existing_file, help="HDF5 file with the true Hydro (--apply: metrics.json)")
     parser.add_argument("--out", type=output_dir, help="--apply: writes prediction.h5 (and metrics.json) here")
+    parser.add_argument("--overwrite", action="store_true", help="--fit: replace the --calibration file")
     args = parser.parse_args(argv)
     if args.apply and not args.out:
         parser.error("--apply needs --out")

@@ -63,7 +63,7 @@ def temperature_power_gap(t_pred: torch.Tensor, t_true: torch.Tensor) -> torch.T
     power of two fields (B, D, H, W) per shell, each crop's mean taken out and the crop tapered to its faces: 0 when
     the prediction has the true power at those scales, whatever its phases, and the same for too little power as for
     too much by the same factor. Those shells are where a crop's truth has its fluctuations and the science target
-    judges them (k 1-16 of a 128^3 box in 32^3 crops)."""
+    judges them (k 4-16 of a 128^3 box in 32^3 crops: a crop sees no larger scale)."""
     fields = torch.stack((t_pred, t_true), dim=1)
     fields = (fields - fields.mean(dim=(2, 3, 4), keepdim=True)) * _taper(tuple(fields.shape[2:]), fields.device)
     power = crop_power(fields)

@@ -16,20 +16,20 @@ NORM = Normalization(3.0)
 SIDE = 32
 
 
-def _universe(seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _universe(seed: int, side: int = SIDE) -> tuple[np.ndarray, np.ndarray]:
     """A true normalized (5, 32, 32, 32) box with log-normal gas density and temperature and Gaussian flows, and a
     prediction that is a copy of it with every scale's amplitude shrunk the more the smaller the scale."""
     rng = np.random.default_rng(seed)
-    k = np.sqrt(sum(f**2 for f in np.meshgrid(*[np.fft.fftfreq(SIDE)] * 2, np.fft.rfftfreq(SIDE), indexing="ij")))
-    true = np.zeros((5, SIDE, SIDE, SIDE), dtype=np.float32)
+    k = np.sqrt(sum(f**2 for f in np.meshgrid(*[np.fft.fftfreq(side)] * 2, np.fft.rfftfreq(side), indexing="ij")))
+    true = np.zeros((5, side, side, side), dtype=np.float32)
     for channel, amplitude in ((GAS_DENSITY, 0.08), (1, 0.2), (2, 0.2), (3, 0.2), (TEMPERATURE, 0.1)):
-        modes = np.fft.rfftn(rng.standard_normal((SIDE,) * 3)) * np.exp(-((k / 0.12) ** 2))
-        field = np.fft.irfftn(modes, s=(SIDE,) * 3, axes=(0, 1, 2))
+        modes = np.fft.rfftn(rng.standard_normal((side,) * 3)) * np.exp(-((k / 0.12) ** 2))
+        field = np.fft.irfftn(modes, s=(side,) * 3, axes=(0, 1, 2))
         true[channel] = amplitude * field / field.std()
     shrink = torch.from_numpy((1 - 0.6 * k).astype(np.float32))  # 1 at k = 0, 0.925 at a quarter of Nyquist
     pred = true.copy()
     for channel in range(5):
-        pred[channel] = torch.fft.irfftn(torch.fft.rfftn(torch.from_numpy(true[channel])) * shrink, s=(SIDE,) * 3)
+        pred[channel] = torch.fft.irfftn(torch.fft.rfftn(torch.from_numpy(true[channel])) * shrink, s=(side,) * 3)
     return pred, true
 
 
@@ -38,12 +38,13 @@ JUDGED = ("gas_density", "temperature", "vx", "vy", "vz")
 
 def _target(pred: np.ndarray, true: np.ndarray) -> dict:
     metrics = compare(pred, true, NORM)
-    last = SIDE // 8
+    last = pred.shape[1] // 8
     return {name: (metrics[name]["power_ratio"][:last], metrics[name]["r"][:last]) for name in JUDGED}
 
 
 def test_gains_fitted_on_one_box_put_the_power_back_there_and_on_another_and_keep_r():
-    pred, true = _universe(0)
+    """Fitted on a 64^3 box, applied to a 32^3 one: the gains go by cycles per voxel, not by shell number."""
+    pred, true = _universe(0, side=64)
     calibration = fit(pred, true, NORM)
     before = _target(pred, true)
     assert min(before["temperature"][0]) < 0.85  # the prediction has lost power at the target's scales
@@ -62,13 +63,18 @@ def test_gains_fitted_on_one_box_put_the_power_back_there_and_on_another_and_kee
         assert np.abs(np.asarray(_target(other_pred, other_true)[name][0]) - 1).max() < 0.05
 
 
-def test_a_truth_without_flows_gets_no_velocity_gains():
+def test_a_truth_without_flows_gets_no_velocity_gains_and_a_prediction_without_them_is_refused():
     pred, true = _universe(0)
-    pred[1:4], true[1:4] = 0, 0
+    flows = pred[1:4].copy()
+    true[1:4] = 0
     calibration = fit(pred, true, NORM)
     assert calibration["fields"]["velocity"] == {"frequency": [], "gain": []}
     apply(pred, calibration)
-    assert not pred[1:4].any()
+    assert np.array_equal(pred[1:4], flows) and calibration["fields"]["temperature"]["gain"]
+    pred, true = _universe(0)
+    pred[1:4] = 0
+    with pytest.raises(ValueError, match="velocity: the prediction has no power"):
+        fit(pred, true, NORM)
 
 
 def test_a_prediction_far_off_is_refused():
@@ -113,6 +119,21 @@ def test_the_command_fits_applies_and_judges(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--fit", str(tmp_path / "pred.h5"), "--calibration", str(gains)])
     assert "--fit needs --truth" in capsys.readouterr().err
+    fitting = ["--fit", str(tmp_path / "pred.h5"), "--truth", str(tmp_path / "true.h5"), "--calibration", str(gains)]
+    with pytest.raises(SystemExit, match="exists: --overwrite replaces it"):
+        main(fitting)
+    main([*fitting, "--overwrite"])
+    with pytest.raises(SystemExit, match="never replaces an input"):
+        main(["--calibration", str(gains), "--apply", str(out / "prediction.h5"), "--out", str(out)])
     _write(tmp_path / "small.h5", true[:, :16, :16, :16])
     with pytest.raises(SystemExit, match="true hydro .* and prediction .* differ"):
-        main(["--fit", str(tmp_path / "pred.h5"), "--truth", str(tmp_path / "small.h5"), "--calibration", str(gains)])
+        main(
+            [
+                "--fit",
+                str(tmp_path / "pred.h5"),
+                "--truth",
+                str(tmp_path / "small.h5"),
+                "--calibration",
+                str(tmp_path / "other.json"),
+            ]
+        )
