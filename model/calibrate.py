@@ -27,7 +27,7 @@ import torch
 from common.cli import ArgumentParser, existing_file, output_dir, output_file
 from common.files import write_text_atomically
 from common.outputs import OutputError, claim_directory, claim_files, refuse_inputs
-from model.metrics import Normalization, compare, contrast, spectra
+from model.metrics import TRUTH_CUTOFF, Normalization, compare, contrast, spectra
 from model.report import spectra_table
 from pipeline.layout import GAS_DENSITY, HYDRO_CHANNELS, HYDRO_DATASET, TEMPERATURE, density, temperature
 from pipeline.volumes import DataError, read_hdf5
@@ -85,7 +85,7 @@ def fit(pred: Any, true: Any, norm: Normalization) -> dict[str, Any]:
         read = lambda box, c: torch.from_numpy(np.ascontiguousarray(box[c], dtype=np.float32))  # noqa: E731
         x = [read(pred, c) for c in channels]
         p_true = _power(name, [read(true, c) for c in channels], norm)
-        unresolved = np.flatnonzero(p_true <= 1e-6 * p_true.max())
+        unresolved = np.flatnonzero(p_true <= TRUTH_CUTOFF * p_true.max())  # as the metrics leave them out
         last = min(side // 8, int(unresolved[0]) if unresolved.size else side // 8)
         if last == 0:  # a truth without fluctuations (no flows): nothing to fit
             fields[name] = {"frequency": [], "gain": []}
@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--calibration {args.calibration}: no such file (--fit writes it)")
     if args.fit and (args.out or not args.truth):
         parser.error("--fit needs --truth, and --out goes with --apply")
+    if args.apply and args.overwrite:
+        parser.error("--overwrite goes with --fit: --apply writes into --out, which holds only this command's files")
     try:
         _fit(args) if args.fit else _apply(args)
     except (ValueError, KeyError, OSError, OutputError) as err:

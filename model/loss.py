@@ -93,7 +93,7 @@ class Loss:
     lambda_T_mse: float = 0.0
     lambda_v: float = 0.0
     lambda_div: float = 0.0
-    temperature_log_range: float | None = None  # needed by lambda_T, lambda_hot and lambda_T_power
+    temperature_log_range: float | None = None  # needed by the terms of _NEED_TEMPERATURE
     velocity: tuple[int, ...] | None = (1, 2, 3)  # the gas velocity's x, y and z channels, for lambda_v, lambda_div
 
     def __post_init__(self) -> None:

@@ -56,7 +56,7 @@ def _run(command: list[str]) -> None:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Universe:
     """The synthetic boxes a run trains and is judged on: ``seed`` the spec's seed, ``options`` what ds_train.py
-    needs to get them (none for the config's own), ``val_path`` the validation box that model.predict judges."""
+    needs to get them (none for the config's own), and the two boxes' paths (the training box fits the gains)."""
 
     seed: int | None
     options: tuple[str, ...]
@@ -286,8 +286,14 @@ def figure(records: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def _tables(records: list[dict[str, Any]]) -> str:
-    return "\n\n".join(filter(None, (table(records), range_table(records), shell_table(records))))
+def _report(records: list[dict[str, Any]], path: Path | None, parser: ArgumentParser) -> None:
+    """The tables, and the figure where ``path`` is given."""
+    print("\n\n".join(filter(None, (table(records), range_table(records), shell_table(records)))))
+    if path:
+        try:
+            print(f"wrote {figure(records, path)}")
+        except ValueError as err:
+            parser.error(str(err))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -304,16 +310,11 @@ def main(argv: list[str] | None = None) -> None:
         "--calibrate", action="store_true", help="also judge the prediction calibrated on the training box's"
     )
     parser.add_argument("--table", action="store_true", help="only print the table of the results file")
-    parser.add_argument("--figure", type=output_file, help="with --table: draw the calibrated runs' spectra (PNG)")
+    parser.add_argument("--figure", type=output_file, help="also draw the calibrated runs' spectra (PNG)")
     args = parser.parse_args(argv)
     if args.table:
         records = read_records(args.out) if args.out.exists() else []
-        print(_tables(records))
-        if args.figure:
-            try:
-                print(f"wrote {figure(records, args.figure)}")
-            except ValueError as err:
-                parser.error(str(err))
+        _report(records, args.figure, parser)
         return
     for arm in args.arms:
         try:
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
                 append_records(args.out, [record | env for record in records])
     arms = {*args.arms, *(f"{arm} +gains" for arm in args.arms)}
     records = [r for r in read_records(args.out) if r["config"] == args.config and r["arm"] in arms]
-    print(_tables(records))
+    _report(records, args.figure, parser)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,9 @@ def test_the_command_fits_applies_and_judges(tmp_path, capsys):
     with pytest.raises(SystemExit, match="exists: --overwrite replaces it"):
         main(fitting)
     main([*fitting, "--overwrite"])
+    with pytest.raises(SystemExit):
+        main(["--calibration", str(gains), "--apply", str(tmp_path / "pred.h5"), "--out", str(out), "--overwrite"])
+    assert "--overwrite goes with --fit" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="never replaces an input"):
         main(["--calibration", str(gains), "--apply", str(out / "prediction.h5"), "--out", str(out)])
     _write(tmp_path / "small.h5", true[:, :16, :16, :16])
